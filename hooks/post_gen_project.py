@@ -1,0 +1,117 @@
+"""Turn the answers into the project's settings.
+
+1. resolve the answers into config values (the only place this happens),
+2. write them into configs/default.yaml, keeping its comments,
+3. remove the per-project files that were not chosen (one table),
+4. print a short summary.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+# Rendered by cookiecutter; the module stays valid Python so tests can import its functions.
+ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
+
+# (answer, value that drops the files, files relative to the project root)
+OPTIONAL_FILES = [
+    ("slurm", False, ["scripts/train.sbatch", "tests/test_sbatch.py"]),
+    ("license", "none", ["LICENSE"]),
+]
+
+
+def resolve(answers: dict) -> tuple[dict, list[str]]:
+    """Config values ("section.key" -> value) from the answers, and notes on what changed why."""
+    gpus, nodes = int(answers["gpus_per_node"]), int(answers["num_nodes"])
+    batch, accum = int(answers["per_device_batch_size"]), int(answers["grad_accum_steps"])
+    notes = []
+    sync_bn = bool(answers["sync_batchnorm"])
+    if sync_bn and gpus * nodes == 1:
+        sync_bn = False
+        notes.append("SyncBatchNorm off: one GPU in total has nothing to synchronise")
+    settings = {
+        "data.batch_size": batch,
+        "train.grad_accum_steps": accum,
+        "train.precision": answers["precision"],
+        "train.compile": bool(answers["compile"]),
+        "train.sync_batchnorm": sync_bn,
+        # the lr in default.yaml is taken as tuned for one device with these settings;
+        # runs on more devices scale it from this reference (train.lr_scaling)
+        "train.reference_batch_size": batch * accum,
+        "dist.gpus_per_node": gpus,
+        "dist.num_nodes": nodes,
+    }
+    return settings, notes
+
+
+def set_yaml_values(text: str, values: dict) -> str:
+    """Replace `key: value` under `section:` in a two-level YAML file, keeping comments."""
+    lines, section, pending = text.splitlines(), None, dict(values)
+    for i, line in enumerate(lines):
+        top = re.match(r"^(\w+):\s*(#.*)?$", line)
+        if top:
+            section = top.group(1)
+            continue
+        entry = re.match(r"^(\s+)(\w+):[^#]*?(\s*#.*)?$", line)
+        if entry and f"{section}.{entry.group(2)}" in pending:
+            indent, key, comment = entry.groups()
+            head = f"{indent}{key}: {_yaml_scalar(pending.pop(f'{section}.{key}'))}"
+            if comment:  # keep the comment in its column
+                head = head.ljust(line.index("#") - 1) + " " + comment.strip()
+            lines[i] = head
+    if pending:
+        raise KeyError(f"configs/default.yaml has no key {sorted(pending)[0]}")
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_scalar(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def remove_unchosen(project: Path, answers: dict) -> list[str]:
+    removed = []
+    for answer, dropping_value, files in OPTIONAL_FILES:
+        if answers[answer] == dropping_value:
+            for name in files:
+                (project / name).unlink(missing_ok=True)
+                removed.append(name)
+    return removed
+
+
+def summary(answers: dict, settings: dict, notes: list[str]) -> str:
+    on_off = {True: "on", False: "off"}
+    world = settings["dist.gpus_per_node"] * settings["dist.num_nodes"]
+    global_batch = settings["data.batch_size"] * world * settings["train.grad_accum_steps"]
+    lines = [
+        f"Created {answers['project_slug']} (package {answers['package_name']}).",
+        f"  precision {settings['train.precision']}, SyncBatchNorm {on_off[settings['train.sync_batchnorm']]}, "
+        f"torch.compile {on_off[settings['train.compile']]}, accumulation {settings['train.grad_accum_steps']}",
+        f"  global batch on {world} GPU(s): {settings['data.batch_size']} x {world} x "
+        f"{settings['train.grad_accum_steps']} = {global_batch}",
+        *[f"  note: {note}" for note in notes],
+        "Next:",
+        f"  cd {answers['project_slug']} && python -m pip install -e '.[dev]'",
+        "  scripts/smoke.sh      # checks DDP on this machine's GPUs (2 CPU processes without GPUs)",
+        "  scripts/train.sh      # trains on every local GPU",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    answers = json.loads(ANSWERS_JSON)
+    project = Path.cwd()
+    settings, notes = resolve(answers)
+    config_path = project / "configs" / "default.yaml"
+    config_path.write_text(set_yaml_values(config_path.read_text(), settings))
+    remove_unchosen(project, answers)
+    print(summary(answers, settings, notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Validate the answers before cookiecutter writes anything.
+
+Each problem is one line saying what is wrong and what to type instead; any error exits 1,
+so cookiecutter removes the half-made directory. Unwise but legal combinations only warn.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import re
+import sys
+
+# Rendered by cookiecutter; the module stays valid Python so tests can import its functions.
+ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
+
+MAX_GPUS_PER_NODE = 64
+MAX_NODES = 4096
+# names that would shadow what the project imports or how it is tested
+RESERVED_PACKAGES = {
+    "torch", "torchvision", "torchaudio", "numpy", "yaml", "tqdm", "pytest", "test", "tests",
+    "setuptools", "pip", "cookiecutter", "src", "scripts", "configs", "ruff", "triton",
+}
+SLUG_PATTERN = re.compile(r"^[a-z][a-z0-9_-]*$")
+PACKAGE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def check_slug(slug: str) -> str | None:
+    if not SLUG_PATTERN.match(slug):
+        return (f"project_slug {slug!r} is not a valid directory name: use lowercase letters, digits, "
+                f"'-' and '_', starting with a letter (e.g. {_suggest(slug, '-')!r})")
+    return None
+
+
+def check_package(name: str) -> str | None:
+    if not PACKAGE_PATTERN.match(name):
+        return (f"package_name {name!r} is not a lowercase Python identifier: use letters, digits and '_', "
+                f"starting with a letter (e.g. {_suggest(name, '_')!r})")
+    if keyword.iskeyword(name) or name in RESERVED_PACKAGES or name in sys.stdlib_module_names:
+        return (f"package_name {name!r} would shadow the module of that name "
+                f"(a keyword, stdlib or dependency): pick another, e.g. {name + '_train'!r}")
+    return None
+
+
+def _suggest(text: str, sep: str) -> str:
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    suggestion = sep.join(words).lstrip("0123456789" + sep)
+    return suggestion or "my" + sep + "project"
+
+
+def check_count(answers: dict, key: str, maximum: int) -> str | None:
+    raw = str(answers[key]).strip()
+    if not re.fullmatch(r"\d+", raw):
+        return f"{key} {answers[key]!r} is not a whole number: type e.g. {key}=1"
+    if not 1 <= int(raw) <= maximum:
+        return f"{key} {raw} is out of range: use 1 to {maximum}"
+    return None
+
+
+def validate(answers: dict) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for a full set of answers."""
+    errors = [
+        check_slug(answers["project_slug"]),
+        check_package(answers["package_name"]),
+        check_count(answers, "gpus_per_node", MAX_GPUS_PER_NODE),
+        check_count(answers, "num_nodes", MAX_NODES),
+        check_count(answers, "grad_accum_steps", 1024),
+        check_count(answers, "per_device_batch_size", 65536),
+    ]
+    errors = [e for e in errors if e]
+    warnings = []
+    if not errors and answers["sync_batchnorm"]:
+        total_gpus = int(answers["gpus_per_node"]) * int(answers["num_nodes"])
+        if total_gpus == 1:
+            warnings.append("sync_batchnorm with 1 GPU in total has nothing to synchronise: it will be off")
+        if int(answers["per_device_batch_size"]) < 8:
+            warnings.append("sync_batchnorm with a per-device batch below 8 gives noisy statistics: "
+                            "prefer model.norm=layer (LayerNorm) for such small batches")
+    return errors, warnings
+
+
+def main() -> int:
+    errors, warnings = validate(json.loads(ANSWERS_JSON))
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Complete, atomic, rank-0 checkpoints; auto-resume; preemption (P25, P27).
+
+Layout under the run directory:
+    checkpoints/step_00000500.pt   full training state at optimizer step 500
+    checkpoints/latest             name of the newest complete checkpoint
+A checkpoint file appears only once it is complete (written to a temporary file, fsynced,
+renamed), so a crash at any moment leaves the previous ones intact.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import dist
+from .dist import DistInfo
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; launchers requeue on it
+
+
+@dataclass
+class TrainState:
+    """Everything needed to continue a run exactly where it stopped."""
+
+    model: nn.Module  # the unwrapped, uncompiled module: its keys have no module./_orig_mod.
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # current epoch
+    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+
+
+def rng_state() -> dict:
+    """This rank's random generators, in types that weights_only loading accepts."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)), "pos": np_state["state"]["pos"],
+                  "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_as_tuples(state["python"]))
+    np_state = state["numpy"]
+    np.random.set_state({"bit_generator": "MT19937", "state": {"key": np_state["key"].numpy().astype(np.uint32),
+                         "pos": np_state["pos"]}, "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuples(value):
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save(state: TrainState, run_dir: Path, config: dict, info: DistInfo, keep_last: int) -> Path:
+    """Write the full state from rank 0; every rank must call this (it holds collectives)."""
+    rng_per_rank = dist.all_gather_objects(rng_state())  # collective: outside the rank-0 branch
+    path = checkpoint_dir(run_dir) / f"step_{state.step:08d}.pt"
+    if info.is_main:
+        payload = state.state_dict() | {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
+        atomic_save(_to_cpu(payload), path)
+        _atomic_write_text(path.parent / "latest", path.name)
+        prune(path.parent, keep_last)
+    dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
+    return path
+
+
+def atomic_save(payload: dict, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, fsync, then rename over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+    _fsync_dir(path.parent)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    for old in sorted(directory.glob("step_*.pt"))[:-keep_last]:
+        old.unlink(missing_ok=True)
+
+
+def load_file(path: str | Path) -> dict:
+    """Load a checkpoint on CPU; weights_only refuses pickled code from an untrusted file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint {path} does not exist; check checkpoint.resume") from None
+    except Exception as err:
+        raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err}); "
+                         "it may be truncated or not a checkpoint: pass another file or checkpoint.resume=auto") from err
+
+
+def newest_loadable(run_dir: Path) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint of the run that loads; corrupt or partial ones are skipped."""
+    for path in sorted(checkpoint_dir(run_dir).glob("step_*.pt"), reverse=True):
+        try:
+            return path, load_file(path)
+        except ValueError as err:
+            warnings.warn(f"skipping {err}", stacklevel=2)
+    return None, None
+
+
+def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo) -> Path | None:
+    """Restore `state` as `setting` says (auto | never | a path); returns the file used.
+
+    Rank 0 chooses the file and every rank loads that same one, so ranks cannot disagree.
+    """
+    if setting == "never":
+        return None
+    if setting == "auto":
+        chosen = newest_loadable(run_dir)[0] if info.is_main else None
+        chosen = dist.broadcast_object(chosen)  # collective: all ranks, outside the branch
+        if chosen is None:
+            return None
+    else:
+        chosen = Path(setting)
+    payload = load_file(chosen)
+    state.load_state_dict(payload)
+    rngs = payload["rng"]
+    set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])
+    return chosen
+
+
+def export_weights(checkpoint: str | Path, output: str | Path) -> None:
+    """Write only the model's state_dict, loadable with `model.load_state_dict(torch.load(output))`."""
+    torch.save(load_file(checkpoint)["model"], output)
+
+
+class PreemptionFlag:
+    """Set by SIGTERM / SIGUSR1; the loop checks it at a step boundary on all ranks together."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True

@@ -1,0 +1,97 @@
+"""Metrics that are exact across ranks: reduce sums and counts, never means (P26)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from .dist import DistInfo, all_reduce_sum
+
+
+class Totals:
+    """Named running sums kept on the device in float64, reduced over ranks on demand.
+
+    Summing per-rank sums and counts gives the exact global mean; averaging per-rank means
+    does not when ranks hold different numbers of samples.
+    """
+
+    def __init__(self, names: tuple[str, ...], device: torch.device):
+        self.names = names
+        self.sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+
+    def add(self, **values) -> None:
+        for name, value in values.items():
+            self.sums[self.names.index(name)] += value
+
+    def reduced(self) -> dict[str, float]:
+        """Global sums; a collective, so every rank must call it."""
+        total = all_reduce_sum(self.sums.clone())
+        return dict(zip(self.names, total.tolist()))
+
+    def reset(self) -> None:
+        self.sums.zero_()
+
+
+def real_sample_mask(first_position: int, batch_size: int, info: DistInfo, dataset_size: int, device) -> torch.Tensor:
+    """True for the samples of this batch that are not DistributedSampler padding.
+
+    DistributedSampler(drop_last=False) repeats samples until every rank has the same count
+    and gives rank r the global positions r, r + world, r + 2*world, ...; positions past
+    the end of the dataset are the repeats, so they are masked out and nothing counts twice.
+    """
+    positions = torch.arange(first_position, first_position + batch_size, device=device)
+    return positions * info.world_size + info.rank < dataset_size
+
+
+class TrainingLog:
+    """Loss, throughput and data-wait share over each logging window, exact across ranks.
+
+    `flush()` is the loop's one regular collective: it also carries the stop request, so
+    every rank learns of a preemption or a non-finite loss at the same step.
+    """
+
+    def __init__(self, info: DistInfo, jsonl_path, total_steps: int):
+        self.info = info
+        self.totals = Totals(("loss", "samples", "data_wait", "stop"), info.device)
+        self.jsonl_path = jsonl_path
+        self.window_start = time.perf_counter()
+        self.bar = tqdm(total=total_steps, disable=not (info.is_main and sys.stderr.isatty()), dynamic_ncols=True)
+
+    def flush(self, step: int, epoch: int, lr: float, stop_requested: bool) -> dict:
+        self.totals.add(stop=float(stop_requested))
+        sums = self.totals.reduced()
+        elapsed = time.perf_counter() - self.window_start
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": sums["loss"] / max(sums["samples"], 1),
+            "lr": lr,
+            "samples_per_s": sums["samples"] / elapsed,
+            "data_wait_share": sums["data_wait"] / (elapsed * self.info.world_size),
+            "stop": sums["stop"] > 0,
+        }
+        self.write(record)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}")
+        if self.bar.disable and self.info.is_main:
+            print(
+                f"step {step} | epoch {epoch} | loss {record['loss']:.4f} | lr {lr:.2e} | "
+                f"{record['samples_per_s']:.0f} samples/s | data wait {record['data_wait_share']:.0%}",
+                flush=True,
+            )
+        self.totals.reset()
+        self.window_start = time.perf_counter()
+        return record
+
+    def write(self, record: dict) -> None:
+        """Append one JSON line on rank 0."""
+        if self.info.is_main:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps({k: v for k, v in record.items() if k != "stop"}) + "\n")
+
+    def close(self) -> None:
+        self.bar.close()
