@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -57,7 +58,9 @@ class TrainingLog:
     def __init__(self, info: DistInfo, jsonl_path, total_steps: int):
         self.info = info
         self.totals = Totals(("loss", "samples", "data_wait", "stop"), info.device)
-        self.jsonl_path = jsonl_path
+        self.jsonl_path = Path(jsonl_path)
+        if info.is_main:
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         self.window_start = time.perf_counter()
         self.bar = tqdm(total=total_steps, disable=not (info.is_main and sys.stderr.isatty()), dynamic_ncols=True)
 

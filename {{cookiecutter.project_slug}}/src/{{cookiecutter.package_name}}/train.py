@@ -16,11 +16,13 @@ import math
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 
 from . import checkpoint, config, data, dist, optim
 from .checkpoint import TrainState
@@ -64,8 +66,40 @@ def check_hardware(cfg: Config, info: DistInfo) -> None:
         raise ConfigError("train.precision: bf16 is not supported by this GPU; use train.precision=fp16")
 
 
+@dataclass
+class Job:
+    """Everything `build` makes for a run; `fit` trains it."""
+
+    model: nn.Module  # what the loop calls: DDP(compiled(module)) when distributed
+    eval_model: nn.Module  # the same weights without DDP
+    state: TrainState
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    global_batch: int
+    lr: float
+    warmup: float
+    workers: int
+    total_steps: int
+
+
 def run(cfg: Config, info: DistInfo) -> int:
-    """Build everything, resume, train, evaluate; returns the process exit code."""
+    """Build, resume, train and save; returns the process exit code."""
+    job = build(cfg, info)
+    resumed = checkpoint.resume(job.state, cfg.run_dir, cfg.checkpoint.resume, info)
+    if info.is_main:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        config.save(cfg, cfg.run_dir / "config.yaml")
+    report_startup(cfg, info, job, resumed)
+    outcome = fit(job, cfg, info, checkpoint.PreemptionFlag())
+    checkpoint.save(job.state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
+    if outcome == "preempted":
+        dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
+        return checkpoint.PREEMPTED_EXIT_CODE
+    dist.print0(info, f"done: {job.state.step} steps; outputs in {cfg.run_dir}")
+    return 0
+
+
+def build(cfg: Config, info: DistInfo) -> Job:
     cpus = dist.cpus_available()
     torch.set_num_threads(data.threads_per_rank(cpus, info.local_world_size))
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
@@ -90,30 +124,24 @@ def run(cfg: Config, info: DistInfo) -> int:
         scheduler=optim.build_scheduler(optimizer, cfg.train, total_steps, warmup),
         scaler=torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16"),
     )
-    resumed = checkpoint.resume(state, cfg.run_dir, cfg.checkpoint.resume, info)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    if info.is_main:
-        config.save(cfg, cfg.run_dir / "config.yaml")
-    report_startup(cfg, info, raw_model, global_batch, lr, warmup, workers, total_steps, resumed)
+    return Job(model, eval_model, state, train_loader, eval_loader, global_batch, lr, warmup, workers, total_steps)
 
-    preemption = checkpoint.PreemptionFlag()
-    log = TrainingLog(info, cfg.run_dir / "metrics.jsonl", total_steps)
+
+def fit(job: Job, cfg: Config, info: DistInfo, preemption) -> str:
+    """Epochs of training and evaluation until total_steps or a preemption ("preempted")."""
+    state, sampler = job.state, job.train_loader.sampler
+    log = TrainingLog(info, cfg.run_dir / "metrics.jsonl", job.total_steps)
     outcome = None
-    while state.step < total_steps and outcome != "preempted":
-        train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch (P7)
-        train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size
-        outcome = train_one_epoch(state, model, train_loader, cfg, info, log, preemption, total_steps)
+    while state.step < job.total_steps and outcome != "preempted":
+        sampler.set_epoch(state.epoch)  # a new order every epoch (P7)
+        sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
+        outcome = train_one_epoch(state, job.model, job.train_loader, cfg, info, log, preemption, job.total_steps)
         if outcome != "preempted":
-            log.write({"step": state.step, "epoch": state.epoch, **evaluate(eval_model, eval_loader, cfg, info)})
+            log.write({"step": state.step, "epoch": state.epoch, **evaluate(job.eval_model, job.eval_loader, cfg, info)})
         if outcome == "epoch_end":
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
     log.close()
-    checkpoint.save(state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
-    if outcome == "preempted":
-        dist.print0(info, f"preempted at step {state.step}: checkpoint written; rerun to continue")
-        return checkpoint.PREEMPTED_EXIT_CODE
-    dist.print0(info, f"done: {state.step} steps; outputs in {cfg.run_dir}")
-    return 0
+    return outcome
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
@@ -224,24 +252,27 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
             "eval_samples": int(sums["count"])}
 
 
-def report_startup(cfg: Config, info: DistInfo, model: nn.Module, global_batch: int, lr: float,
-                   warmup: float, workers: int, total_steps: int, resumed) -> None:
-    params = sum(p.numel() for p in model.parameters())
+def report_startup(cfg: Config, info: DistInfo, job: Job, resumed) -> None:
+    params = sum(p.numel() for p in job.state.model.parameters())
     # params + grads + AdamW's two moments, in fp32; AMP adds low-precision weight copies,
     # budgeted at 4 bytes per parameter. DDP replicates all of it on every device (P28).
     per_param = 4 + 4 + 8 + (4 if cfg.train.precision != "fp32" else 0)
     dist.print0(
         info,
         f"world size {info.world_size} ({info.local_world_size} per node), backend {info.backend}, "
-        f"device {info.device.type}\n"
-        f"global batch {global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
+        f"device {info.device}\n"
+        f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
-        f"lr {lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
-        f"{cfg.train.reference_batch_size}), warmup {warmup:.1%} of {total_steps} steps\n"
-        f"precision {cfg.train.precision}, compile {cfg.train.compile}, loader workers per rank {workers}\n"
+        f"lr {job.lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
+        f"{cfg.train.reference_batch_size}), warmup {job.warmup:.1%} of {job.total_steps} steps\n"
+        f"precision {cfg.train.precision}, compile {cfg.train.compile}, loader workers per rank {job.workers}\n"
         f"parameters {params:,}; static memory per device ~{params * per_param / 2**20:.1f} MiB\n"
-        + (f"resumed from {resumed}" if resumed else "starting fresh"),
+        + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
+
+
+def cli() -> None:
+    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The multi-GPU acceptance check: a short run on every local GPU (2 CPU processes without
+# GPUs) that verifies DDP is wired correctly and prints a PASS/FAIL/SKIP table.
+#   scripts/smoke.sh [section.key=value ...]
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+NPROC_PER_NODE="${NPROC_PER_NODE:-$(default_nproc_per_node)}"
+export_threads_per_process "$NPROC_PER_NODE"
+exec torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m {{ cookiecutter.package_name }}.smoke \
+  --config configs/smoke.yaml "$@"

@@ -1,0 +1,230 @@
+"""The multi-GPU acceptance check: is DDP wired correctly on this machine?
+
+    scripts/smoke.sh                     # every local GPU, or 2 CPU processes without GPUs
+    torchrun --standalone --nproc_per_node=4 -m {{ cookiecutter.package_name }}.smoke --config configs/smoke.yaml
+
+Runs a short training with the project's own code and prints a PASS/FAIL/SKIP table on
+rank 0; exits 1 if any check fails. Every check runs on every rank (they gather results),
+so a failure never leaves a rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import socket
+import sys
+import time
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import checkpoint, config, dist, train
+from .config import ConfigError
+from .dist import DistInfo
+from .model import build_model
+
+PASS, FAIL, SKIP, INFO = "PASS", "FAIL", "SKIP", "INFO"
+
+
+def digest(tensors) -> str:
+    """Exact fingerprint of tensors (bitwise, not approximate)."""
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        if tensor is not None:
+            hasher.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    # parameters only: BatchNorm running stats legitimately differ per rank (local batches)
+    return digest(p for p in model.parameters())
+
+
+def gradient_digest(model: torch.nn.Module) -> str:
+    return digest(p.grad for p in model.parameters())
+
+
+class CommCounter:
+    syncs = 0  # all-reducing backward passes seen
+
+
+def counting_allreduce_hook(counter: CommCounter, bucket):
+    """DDP comm hook: count one sync per backward (its last bucket), then all-reduce as usual."""
+    counter.syncs += bucket.is_last()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def check_devices(info: DistInfo) -> tuple[str, str]:
+    placements = dist.all_gather_objects((socket.gethostname(), str(info.device)))
+    if info.device.type != "cuda":
+        return SKIP, "CPU run: no GPUs to bind (one process per GPU is checked on GPU machines)"
+    if len(set(placements)) != len(placements):
+        return FAIL, f"two ranks share a GPU: {placements}; call torch.cuda.set_device(local_rank) after init"
+    return PASS, f"{len(placements)} ranks on {len(placements)} distinct GPUs"
+
+
+def check_backend(info: DistInfo) -> tuple[str, str]:
+    expected = "nccl" if info.device.type == "cuda" else "gloo"
+    if not info.distributed:
+        return SKIP, "a world of one has no process group; launch with torchrun"
+    actual = torch.distributed.get_backend()
+    return (PASS if actual == expected else FAIL), f"{actual} (expected {expected} on {info.device.type})"
+
+
+def check_gradients_reduced(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
+    """Each rank feeds different data; after backward every rank must hold the same gradients."""
+    if not info.distributed:
+        return SKIP, "a world of one has nothing to all-reduce"
+    generator = torch.Generator().manual_seed(1000 + info.rank)
+    inputs = torch.randn(cfg.data.batch_size, cfg.data.num_features, generator=generator).to(info.device)
+    targets = torch.randint(0, cfg.data.num_classes, (cfg.data.batch_size,), generator=generator).to(info.device)
+    model = job.model
+    with model.no_sync():
+        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    local = dist.all_gather_objects(gradient_digest(model))
+    model.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    reduced = dist.all_gather_objects(gradient_digest(model))
+    model.zero_grad(set_to_none=True)
+    if len(set(local)) == 1:
+        return FAIL, "local gradients were already equal: the ranks did not get different data"
+    if len(set(reduced)) != 1:
+        return FAIL, "gradients differ across ranks after backward: they were not all-reduced"
+    return PASS, f"rank-dependent inputs gave identical gradients on {info.world_size} ranks"
+
+
+def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
+    expected = train.AUTOCAST_DTYPES[cfg.train.precision]
+    with torch.autocast(info.device.type, dtype=expected, enabled=cfg.train.precision != "fp32"):
+        out = torch.nn.functional.linear(torch.ones(2, 2, device=info.device), torch.ones(2, 2, device=info.device))
+    scaler_ok = scaler.is_enabled() == (cfg.train.precision == "fp16")
+    if out.dtype != expected or not scaler_ok:
+        return FAIL, f"matmul ran in {out.dtype}, GradScaler enabled={scaler.is_enabled()} for {cfg.train.precision}"
+    scale = f", loss scale {scaler.get_scale():g}" if scaler.is_enabled() else ", no GradScaler (not needed)"
+    return PASS, f"{cfg.train.precision}: autocast matmul in {out.dtype}{scale}"
+
+
+def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
+    if not cfg.train.sync_batchnorm:
+        return SKIP, "train.sync_batchnorm is off"
+    if info.device.type != "cuda" or not info.distributed:
+        return SKIP, "SyncBatchNorm needs CUDA and more than one process"
+    has_sync = any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+    return (PASS, "BatchNorm layers are SyncBatchNorm") if has_sync else (FAIL, "no SyncBatchNorm layer found")
+
+
+def run_checks(cfg, info: DistInfo) -> list[tuple[str, str, str]]:
+    results = [("device per rank", *check_devices(info)), ("backend", *check_backend(info))]
+    job = train.build(cfg, info)
+    counter = CommCounter()
+    if isinstance(job.model, DDP):
+        job.model.register_comm_hook(counter, counting_allreduce_hook)
+    results.append(("gradients all-reduced", *check_gradients_reduced(job, cfg, info)))
+    start = time.perf_counter()
+    train.fit(job, cfg, info, preemption=_NeverPreempted())
+    elapsed = time.perf_counter() - start
+
+    digests = dist.all_gather_objects(parameter_digest(job.state.model))
+    results.append(("parameters equal on all ranks",
+                    PASS if len(set(digests)) == 1 else FAIL, f"digests {sorted(set(digests))}"))
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if info.is_main else []
+    results.append(("loss decreases", *dist.broadcast_object(_loss_trend(records))))
+    results.append(("one all-reduce per optimizer step", *_comm_check(counter, job, info)))
+    results.append(("precision", *check_precision(cfg, info, job.state.scaler)))
+    results.append(("SyncBatchNorm", *check_sync_batchnorm(cfg, info, job.model)))
+    results.append(("checkpoint round trip", *_checkpoint_round_trip(job, cfg, info)))
+    results.append(("eval counts every sample once", *_eval_count(job, cfg, info)))
+    samples = job.state.step * job.global_batch
+    results.append(("throughput", INFO, f"{samples / elapsed:,.0f} samples/s over {job.state.step} steps"))
+    results.append(("peak memory per device", INFO, _peak_memory(info)))
+    # checks gather what they need from every rank; rank 0's verdicts decide everyone's exit code
+    return dist.broadcast_object(results)
+
+
+class _NeverPreempted:
+    requested = False
+
+
+def _loss_trend(records: list[dict]) -> tuple[str, str]:
+    losses = [r["loss"] for r in records if "loss" in r]
+    if len(losses) < 2:
+        return FAIL, "fewer than two loss records: raise train.epochs or lower run.log_every"
+    verdict = PASS if losses[-1] < losses[0] else FAIL
+    return verdict, f"{losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} log windows"
+
+
+def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[str, str]:
+    if not isinstance(job.model, DDP):
+        return SKIP, "a world of one has no gradient communication"
+    expected = job.state.step + 1  # the gradient check made one all-reducing backward
+    detail = f"{counter.syncs} all-reducing backward passes for {job.state.step} optimizer steps + 1 check"
+    return (PASS if counter.syncs == expected else FAIL), detail
+
+
+def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
+    """Rank 0 wrote the file from its own replica; only its comparison is meaningful."""
+    path = checkpoint.save(job.state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
+    fresh = build_model(cfg)
+    fresh.load_state_dict(checkpoint.load_file(path)["model"])
+    same = digest(fresh.state_dict().values()) == digest(job.state.model.state_dict().values())
+    return (PASS if same else FAIL), f"{path.name} reloads into a plain model bit-identically"
+
+
+def _eval_count(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
+    counted = train.evaluate(job.eval_model, job.eval_loader, cfg, info)["eval_samples"]
+    expected = len(job.eval_loader.dataset)
+    verdict = PASS if counted == expected else FAIL
+    return verdict, f"{counted} of {expected} samples on {info.world_size} ranks"
+
+
+def _peak_memory(info: DistInfo) -> str:
+    if info.device.type != "cuda":
+        return "n/a on CPU"
+    peaks = dist.all_gather_objects(torch.cuda.max_memory_allocated(info.device) / 2**20)
+    return ", ".join(f"rank {i}: {mib:.0f} MiB" for i, mib in enumerate(peaks))
+
+
+def format_table(results: list[tuple[str, str, str]]) -> str:
+    width = max(len(name) for name, _, _ in results)
+    rows = [f"{verdict:<4}  {name:<{width}}  {detail}" for name, verdict, detail in results]
+    failed = sum(verdict == FAIL for _, verdict, _ in results)
+    rows.append(f"smoke: {'FAIL' if failed else 'PASS'} ({failed} failed)")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/smoke.yaml")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    info = DistInfo.from_env()
+    try:
+        cfg = config.load(args.config, ["run.name=smoke-check", "checkpoint.resume=never", *args.overrides])
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    dist.init(info, cfg.dist.timeout_minutes)
+    try:
+        if info.is_main:
+            shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a clean run directory every time
+        dist.barrier()
+        results = run_checks(cfg, info)
+    except BaseException as err:
+        dist.report_failure(info, err)
+        raise
+    dist.print0(info, format_table(results))
+    dist.teardown(info)
+    return 1 if any(verdict == FAIL for _, verdict, _ in results) else 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
