@@ -180,6 +180,11 @@ def _check_type(key: str, value, expected):
         return None
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if expected is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 3e-4 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: {value!r} is not {_describe(expected)}")
     return value

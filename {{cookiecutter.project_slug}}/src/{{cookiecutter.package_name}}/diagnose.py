@@ -1,0 +1,206 @@
+"""Diagnostics for the usual DDP pitfalls.
+
+    python -m {{ cookiecutter.package_name }}.diagnose doctor    # environment: versions, GPUs, ports, CPUs, /dev/shm
+    python -m {{ cookiecutter.package_name }}.diagnose unused    # parameters that get no gradient (P13)
+    python -m {{ cookiecutter.package_name }}.diagnose scaling   # speedup and efficiency, 1 vs N processes (P32)
+Each takes --config and section.key=value overrides like training does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import config, data
+from .config import Config, ConfigError
+from .dist import cpus_available
+from .model import build_model
+
+OK, WARN, FAIL = "ok", "WARN", "FAIL"
+DEFAULT_MASTER_PORT = 29622  # the launch scripts' default: away from the crowded 29500
+INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, str, str]]:
+    """(verdict, topic, detail) rows about this machine for this config."""
+    rows = [(OK, "python", f"{platform.python_version()} on {platform.machine()}"), (OK, "torch", torch.__version__)]
+    gpus = torch.cuda.device_count()
+    if gpus:
+        rows.append((OK, "cuda", f"{torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"))
+    verdict = OK if gpus == cfg.dist.gpus_per_node else WARN
+    rows.append((verdict, "GPUs", f"{gpus} visible, project planned for {cfg.dist.gpus_per_node} per node"
+                 + ("" if gpus else " (CPU runs use gloo; scripts start 2 processes)")))
+    ranks = nproc or gpus or 2
+    for port in ports:
+        if port_is_free(port):
+            rows.append((OK, f"port {port}", "free"))
+        else:
+            rows.append((WARN, f"port {port}", "busy: another job holds it; use scripts/train.sh (picks a free "
+                         "port) or set MASTER_PORT to a free one"))
+    rows += cpu_rows(cfg, ranks)
+    rows.append(shm_row(cfg, ranks))
+    for name in sorted(k for k in os.environ if k.startswith("NCCL_") or k in INTERESTING_ENV):
+        rows.append((OK, "env", f"{name}={os.environ[name]}"))
+    return rows
+
+
+def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
+    cpus = cpus_available()
+    auto = data.workers_per_rank(cpus, ranks, cfg.data.max_workers)
+    workers = auto if cfg.data.num_workers == "auto" else cfg.data.num_workers
+    processes = ranks * (workers + 1)
+    verdict = OK if processes <= cpus else WARN
+    rows = [(verdict, "CPU workers", f"{ranks} ranks x ({workers} loader workers + 1) = {processes} processes "
+             f"on {cpus} CPUs" + ("" if verdict == OK else f"; oversubscribed: use data.num_workers=auto ({auto})"))]
+    threads = int(os.environ.get("OMP_NUM_THREADS", data.threads_per_rank(cpus, ranks)))
+    verdict = OK if threads * ranks <= cpus else WARN
+    rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {cpus} CPUs"))
+    return rows
+
+
+def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
+    """Loader workers hand batches over through /dev/shm; docker's default 64 MiB is too small."""
+    if not Path("/dev/shm").exists():
+        return OK, "/dev/shm", "absent (not Linux); loader workers use other shared memory"
+    free_gib = shutil.disk_usage("/dev/shm").free / 2**30
+    verdict = OK if free_gib >= 1 else WARN
+    hint = "" if verdict == OK else "; loader workers may crash with 'bus error': raise it (docker --shm-size=8g)"
+    return verdict, "/dev/shm", f"{free_gib:.1f} GiB free{hint}"
+
+
+def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
+    """Names of parameters whose .grad is None after one plain (non-DDP) step on real data."""
+    train_set, _ = data.build_datasets(cfg)
+    inputs, targets = next(iter(torch.utils.data.DataLoader(train_set, batch_size=min(8, len(train_set)))))
+    model.train()
+    F.cross_entropy(model(inputs), targets).backward()
+    return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def load_model_factory(spec: str | None):
+    """'module:function' returning a model for a config; the project's build_model by default."""
+    if spec is None:
+        return build_model
+    module, _, function = spec.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int) -> dict:
+    """Train `steps` steps on 1 process and on `nproc`, then compare steady-state throughput."""
+    results = {}
+    with tempfile.TemporaryDirectory() as out:
+        for n in (1, nproc):
+            window = max(1, steps // 3)
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                       "-m", f"{__package__}.train", "--config", cfg_path, *overrides,
+                       f"run.out_dir={out}", f"run.name=scale{n}", f"train.max_steps={steps}",
+                       f"run.log_every={window}", "checkpoint.resume=never", f"checkpoint.every_steps={steps}",
+                       "train.epochs=1000"]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=_threads_env(n))
+            records = [json.loads(line) for line in (Path(out) / f"scale{n}" / "metrics.jsonl").read_text().splitlines()]
+            steady = [r for r in records if "loss" in r][1:]  # the first window holds start-up costs
+            results[n] = {
+                "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
+                "data_wait_share": sum(r["data_wait_share"] for r in steady) / len(steady),
+            }
+    return results
+
+
+def _threads_env(nproc: int) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(data.threads_per_rank(cpus_available(), nproc))
+    return env
+
+
+def scaling_report(results: dict, nproc: int) -> str:
+    one, many = results[1], results[nproc]
+    speedup = many["samples_per_s"] / one["samples_per_s"]
+    efficiency = speedup / nproc
+    if efficiency >= 0.9:
+        band = "good: communication is hidden behind compute"
+    elif efficiency >= 0.7:
+        band = "room to improve: see the split below"
+    elif efficiency >= 0.6:
+        band = "poor: a bottleneck is forming"
+    else:
+        band = "bottleneck: fix it before adding devices"
+    # per-device step time, split: data wait (measured), and the part of the N-process step
+    # beyond the 1-process step that is not data wait, which is communication and contention
+    step_one = 1 / one["samples_per_s"]
+    step_many = nproc / many["samples_per_s"]
+    data_many = many["data_wait_share"] * step_many
+    comm = max(0.0, step_many - step_one - (data_many - one["data_wait_share"] * step_one))
+    compute = max(0.0, step_many - data_many - comm)
+    hint = ("raise data.num_workers or make loading cheaper" if data_many >= comm else
+            "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect")
+    return "\n".join([
+        f"1 process:   {one['samples_per_s']:,.0f} samples/s",
+        f"{nproc} processes: {many['samples_per_s']:,.0f} samples/s",
+        f"speedup {speedup:.2f}x, efficiency {efficiency:.2f} ({band})",
+        f"time per sample on {nproc} processes: data wait {data_many / step_many:.0%}, "
+        f"compute {compute / step_many:.0%}, communication and contention {comm / step_many:.0%}",
+        f"largest cost beyond compute: {'data' if data_many >= comm else 'communication'}: {hint}",
+    ])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["doctor", "unused", "scaling"])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--nproc", type=int, default=None, help="processes per node (default: GPUs, else 2)")
+    parser.add_argument("--port", type=int, action="append", help="ports to check (default 29500 and 29622)")
+    parser.add_argument("--model", default=None, help="module:function building the model (default: build_model)")
+    parser.add_argument("--steps", type=int, default=60, help="steps per scaling run")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        cfg = config.load(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if args.command == "doctor":
+        rows = doctor(cfg, args.nproc, args.port or [29500, DEFAULT_MASTER_PORT])
+        for verdict, topic, detail in rows:
+            print(f"{verdict:<4}  {topic:<12}  {detail}")
+        return 1 if any(verdict == FAIL for verdict, _, _ in rows) else 0
+    if args.command == "unused":
+        names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
+        if not names:
+            print("every parameter gets a gradient: keep dist.find_unused_parameters=false")
+            return 0
+        print("parameters without a gradient after one step (freeze them with requires_grad_(False), "
+              "remove them, or set dist.find_unused_parameters=true at a 10-20% cost):")
+        print("\n".join(f"  {name}" for name in names))
+        return 1
+    nproc = args.nproc or torch.cuda.device_count() or 2
+    print(scaling_report(scaling(args.config, args.overrides, nproc, args.steps), nproc))
+    return 0
+
+
+def cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,81 @@
+import dataclasses
+import re
+
+import pytest
+import yaml
+from conftest import PROJECT, SMOKE_CONFIG, run, torchrun, train_args
+
+from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.config import ConfigError
+
+DEFAULT_CONFIG = PROJECT / "configs" / "default.yaml"
+
+
+def test_default_yaml_holds_every_field_with_a_comment():
+    loaded = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    expected = config.to_dict(config.Config())
+    assert {s: set(v) for s, v in loaded.items()} == {s: set(v) for s, v in expected.items()}
+    for line in DEFAULT_CONFIG.read_text().splitlines():
+        if re.match(r"^\s+\w+:", line):
+            assert "#" in line, f"undocumented setting: {line}"
+
+
+def test_yaml_then_overrides():
+    cfg = config.load(SMOKE_CONFIG, ["train.lr=3e-4", "data.num_workers=2", "train.max_steps=null", "run.name=x"])
+    assert cfg.train.lr == 3e-4 and cfg.data.num_workers == 2 and cfg.train.max_steps is None
+    assert cfg.data.batch_size == 16  # from smoke.yaml
+    assert cfg.model.depth == 2  # dataclass default
+    assert str(cfg.run_dir).endswith("runs/x")
+
+
+def test_integers_are_accepted_for_floats():
+    assert config.load(None, ["train.lr=1"]).train.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.precision=fp8", "train.precision: 'fp8' is not one of bf16, fp16, fp32"),
+        ("train.nosuchkey=1", "train.nosuchkey: unknown key"),
+        ("nosection.key=1", "nosection: unknown section"),
+        ("data.batch_size=-3", "data.batch_size: -3 must be at least 1"),
+        ("data.batch_size=abc", "data.batch_size: 'abc' is not an integer"),
+        ("data.num_workers=many", "data.num_workers: 'many' is not an integer or 'auto'"),
+        ("train.compile=maybe", "train.compile: 'maybe' is not true/false"),
+        ("train.lr=0", "train.lr: 0.0 is invalid; use a positive learning rate"),
+        ("train.warmup_fraction=1.5", "train.warmup_fraction: 1.5 is invalid"),
+        ("dist.timeout_minutes=0", "dist.timeout_minutes: 0.0 is invalid"),
+        ("lr=1", "must look like section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config.load(SMOKE_CONFIG, [override])
+
+
+def test_bad_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(bad)
+    with pytest.raises(ConfigError, match="pass an existing --config"):
+        config.load(tmp_path / "missing.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = config.load(SMOKE_CONFIG, ["train.precision=fp16", "train.grad_clip=null"])
+    config.save(cfg, tmp_path / "resolved.yaml")
+    assert config.load(tmp_path / "resolved.yaml") == cfg
+    assert dataclasses.asdict(cfg) == config.to_dict(cfg)
+
+
+def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path):
+    result = run(["python", *train_args(tmp_path, "train.precision=fp8")], check=False)
+    assert result.returncode == 2
+    assert "config error: train.precision: 'fp8' is not one of bf16, fp16, fp32" in result.stderr
+
+
+def test_every_rank_fails_on_a_bad_override_before_any_collective(tmp_path):
+    result = torchrun(*train_args(tmp_path, "data.batch_size=-3"), check=False, timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.count("config error: data.batch_size: -3 must be at least 1") == 2  # one per rank

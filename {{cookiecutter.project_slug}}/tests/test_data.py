@@ -1,0 +1,85 @@
+"""P6-P10: samplers, per-epoch order, equal lengths, per-rank worker sizing."""
+
+import pytest
+import torch
+from conftest import SMOKE_CONFIG
+from torch.utils.data import DistributedSampler
+
+from {{ cookiecutter.package_name }} import config, data
+from {{ cookiecutter.package_name }}.dist import DistInfo
+
+
+def info(rank=0, world=2, local_world=2):
+    return DistInfo(rank, rank, world, local_world, torch.device("cpu"), "gloo")
+
+
+@pytest.mark.parametrize(
+    ("cpus", "local_ranks", "cap", "expected"),
+    [(64, 8, 16, 7), (128, 8, 8, 8), (16, 8, 8, 1), (8, 8, 8, 0), (2, 2, 8, 0), (4, 1, 8, 3), (1, 4, 8, 0)],
+)
+def test_workers_per_rank_rule(cpus, local_ranks, cap, expected):
+    # CPUs shared by the ranks of a node, one CPU left for each rank's main process, capped (P9)
+    assert data.workers_per_rank(cpus, local_ranks, cap) == expected
+
+
+def test_threads_per_rank_share_the_cpus():
+    assert data.threads_per_rank(16, 8) == 2
+    assert data.threads_per_rank(2, 4) == 1
+
+
+def loaders(rank, world, *overrides, workers=0):
+    cfg = config.load(SMOKE_CONFIG, list(overrides))
+    return data.build_loaders(cfg, info(rank, world), workers)
+
+
+def test_samplers_and_loader_settings():
+    train, evaluation = loaders(0, 2)
+    assert isinstance(train.sampler, DistributedSampler) and train.sampler.shuffle and train.sampler.drop_last
+    assert isinstance(evaluation.sampler, DistributedSampler) and not evaluation.sampler.shuffle
+    assert train.drop_last and not evaluation.drop_last  # P8: drop_last on sampler and loader
+    assert not train.pin_memory  # CPU: nothing to pin
+    train, _ = loaders(0, 2, workers=2)
+    assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 2
+
+
+def epoch_order(loader, epoch):
+    loader.sampler.set_epoch(epoch)
+    return list(loader.sampler)
+
+
+def test_set_epoch_changes_the_order_and_shards_are_disjoint():
+    first, second = loaders(0, 2)[0], loaders(1, 2)[0]
+    assert epoch_order(first, 0) != epoch_order(first, 1)  # P7
+    assert epoch_order(first, 0) == epoch_order(loaders(0, 2)[0], 0)  # reproducible
+    assert not set(epoch_order(first, 3)) & set(epoch_order(second, 3))
+
+
+@pytest.mark.parametrize("samples", [2048, 2047, 1001])
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_the_same_number_of_full_batches(samples, world):
+    lengths = {len(loaders(r, world, f"data.train_samples={samples}")[0]) for r in range(world)}
+    assert len(lengths) == 1
+    for batch, _ in loaders(world - 1, world, f"data.train_samples={samples}")[0]:
+        assert len(batch) == 16
+
+
+def test_resumable_sampler_continues_mid_epoch():
+    loader = loaders(1, 2)[0]
+    full = epoch_order(loader, 5)
+    loader.sampler.set_epoch(5)
+    loader.sampler.skip = 48
+    assert list(loader.sampler) == full[48:] and len(loader) == (len(full) - 48) // 16
+    loader.sampler.set_epoch(6)
+    assert loader.sampler.skip == 0
+
+
+def test_unequal_lengths_fail_clearly_in_a_world_of_one():
+    data.check_equal_lengths(10, info(0, 1, 1))
+    with pytest.raises(RuntimeError, match="loader is empty"):
+        data.check_equal_lengths(0, info(0, 1, 1))
+
+
+def test_dataset_is_learnable_and_deterministic():
+    cfg = config.load(SMOKE_CONFIG)
+    (a, _), (b, _) = data.build_datasets(cfg), data.build_datasets(cfg)
+    assert torch.equal(a.inputs, b.inputs) and len(set(a.targets.tolist())) > 2

@@ -1,0 +1,104 @@
+"""End-to-end training runs: the launch users run, each precision, compile, NaN handling."""
+
+import sys
+
+import pytest
+import torch
+from conftest import (
+    PACKAGE,
+    PROJECT,
+    needs_cuda,
+    needs_two_gpus,
+    project_env,
+    read_metrics,
+    run,
+    torchrun,
+    train_args,
+    train_losses,
+)
+
+from {{ cookiecutter.package_name }} import checkpoint, config, train
+from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.model import build_model
+
+FAULTY = str(PROJECT / "tests" / "faulty_train.py")
+
+
+def test_two_process_run_trains_and_reports(tmp_path):
+    result = torchrun(*train_args(tmp_path, "run.name=e2e"), timeout=180)
+    out = result.stdout
+    for line in ("world size 2 (2 per node), backend gloo", "global batch 32 = 16 per device x 2 ranks x 1",
+                 "lr 0.01 (auto scaling of 0.01 tuned at batch 32)", "static memory per device",
+                 "loader workers per rank", "done: 128 steps"):
+        assert line in out
+    assert out.count("world size") == 1  # printed by rank 0 only
+    losses = train_losses(tmp_path / "e2e")
+    assert losses[-1] < 0.5 * losses[0]
+    evals = [r for r in read_metrics(tmp_path / "e2e") if "eval_accuracy" in r]
+    assert len(evals) == 2 and evals[-1]["eval_accuracy"] > 0.7 and evals[-1]["eval_samples"] == 509
+    assert {"samples_per_s", "data_wait_share", "lr"} <= set(read_metrics(tmp_path / "e2e")[0])
+    # the checkpoint of a DDP run loads into a plain model with strict key matching (P25)
+    state = checkpoint.load_file(tmp_path / "e2e" / "checkpoints" / "step_00000128.pt")
+    build_model(config.load(tmp_path / "e2e" / "config.yaml")).load_state_dict(state["model"])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32", "bf16"])
+def test_world_of_one_trains_in_each_precision(tmp_path, precision):
+    run([sys.executable, *train_args(tmp_path, f"train.precision={precision}", "train.epochs=1")], timeout=120)
+    losses = train_losses(tmp_path / "smoke")
+    assert losses[-1] < 0.6 * losses[0]
+    state = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / "step_00000128.pt")
+    assert (state["scaler"]["scale"] > 0) if precision == "fp16" else (state["scaler"] == {})
+
+
+def test_non_finite_loss_stops_every_rank_with_advice(tmp_path):
+    result = torchrun(FAULTY, *train_args(tmp_path)[2:], nproc=2, timeout=120, check=False,
+                      env=project_env(FAULT="nan", FAULT_RANK="1", FAULT_STEP="3"))
+    assert result.returncode != 0
+    for rank in (0, 1):  # rank 1 produced the NaN; the reduced loss stops rank 0 too
+        assert f"[rank {rank}/2] FloatingPointError: loss is nan at step 5: lower train.lr" in result.stderr
+
+
+@pytest.mark.slow
+def test_compile_really_compiles_and_checkpoints_have_no_prefix(tmp_path):
+    from torch._dynamo.utils import counters
+
+    cfg = config.load(None, ["train.compile=true", "data.num_features=8", "model.hidden=16", "train.precision=fp32"])
+    info = DistInfo.from_env()
+    raw = build_model(cfg)
+    model, _ = train.wrap(raw, cfg, info)
+    counters.clear()
+    model(torch.randn(4, 8)).sum().backward()
+    assert counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not silently run eager
+    assert model._orig_mod is raw  # compiled module wraps the raw one, which checkpoints read
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in raw.state_dict())
+    build_model(cfg).load_state_dict(raw.state_dict())
+
+
+def test_bf16_on_an_unsupported_gpu_is_a_config_error(monkeypatch):
+    cfg = config.load(None, ["train.precision=bf16"])
+    cuda_info = DistInfo(0, 0, 1, 1, torch.device("cuda", 0), "none")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    with pytest.raises(config.ConfigError, match="use train.precision=fp16"):
+        train.check_hardware(cfg, cuda_info)
+
+
+@needs_cuda
+def test_cuda_run_binds_its_device_and_uses_nccl(tmp_path):
+    result = torchrun(*train_args(tmp_path, "train.max_steps=10"), nproc=min(2, torch.cuda.device_count()),
+                      timeout=300)
+    assert "backend nccl" in result.stdout or torch.cuda.device_count() == 1
+
+
+@needs_two_gpus
+def test_sync_batchnorm_is_converted_before_ddp_on_gpus(tmp_path):
+    result = torchrun("-m", f"{PACKAGE}.smoke", "--config", str(PROJECT / "configs" / "smoke.yaml"),
+                      "train.sync_batchnorm=true", timeout=300)
+    assert "PASS  SyncBatchNorm" in result.stdout
+
+
+@needs_cuda
+def test_fp16_grad_scaler_on_cuda(tmp_path):
+    run([sys.executable, *train_args(tmp_path, "train.precision=fp16", "train.max_steps=20")], timeout=300)
+    state = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / "step_00000020.pt")
+    assert state["scaler"]["scale"] > 0
