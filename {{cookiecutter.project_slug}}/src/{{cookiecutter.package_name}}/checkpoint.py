@@ -198,3 +198,21 @@ class PreemptionFlag:
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
+
+
+def main(argv=None) -> int:
+    """python -m {{ cookiecutter.package_name }}.checkpoint export CHECKPOINT OUTPUT"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Export a checkpoint's model weights as a plain state_dict.")
+    parser.add_argument("command", choices=["export"])
+    parser.add_argument("checkpoint")
+    parser.add_argument("output")
+    args = parser.parse_args(argv)
+    export_weights(args.checkpoint, args.output)
+    print(f"wrote {args.output}: load it with model.load_state_dict(torch.load(path, weights_only=True))")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

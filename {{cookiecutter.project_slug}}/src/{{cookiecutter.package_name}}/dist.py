@@ -26,6 +26,7 @@ class DistInfo:
     local_world_size: int  # processes on this node; shares CPUs and GPUs
     device: torch.device
     backend: str  # nccl on CUDA, gloo on CPU; "none" for a world of one
+    restart: int = 0  # how often torchrun has restarted the workers (--max-restarts)
 
     @property
     def is_main(self) -> bool:
@@ -49,14 +50,20 @@ class DistInfo:
             device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
             # gloo on GPUs bounces every gradient through host memory: nccl or nothing there
             backend=("nccl" if cuda else "gloo") if world_size > 1 else "none",
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )
 
 
 def init(info: DistInfo, timeout_minutes: float) -> None:
     """Join the process group and bind this process to its own device (P1-P4)."""
     if info.distributed:
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store, _, _ = next(torch_dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps its store across restarts; a fresh prefix per attempt stops restarted
+        # workers from reading the addresses their dead predecessors published
+        store = torch_dist.PrefixStore(f"attempt{info.restart}/", store)
         torch_dist.init_process_group(
-            backend=info.backend, timeout=datetime.timedelta(minutes=timeout_minutes)
+            backend=info.backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
         )
     if info.device.type == "cuda":
         # right after init: without it every rank allocates on GPU 0

@@ -1,0 +1,236 @@
+"""Fault drills (P4, P25, P27): no lost work, no hangs. Every launch is bounded in time."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_args
+
+from {{ cookiecutter.package_name }} import checkpoint, config, optim
+from {{ cookiecutter.package_name }}.checkpoint import TrainState
+from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.model import build_model
+
+FAULTY = str(PROJECT / "tests" / "faulty_train.py")
+EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
+
+
+def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
+    return torchrun(FAULTY, *train_args(out_dir, *EVERY_20, *overrides)[2:], launcher=launcher, timeout=timeout,
+                    check=False, env=project_env(**fault))
+
+
+def final_state(run_dir: Path) -> dict:
+    return checkpoint.load_file(run_dir / "checkpoints" / "step_00000128.pt")
+
+
+def assert_bit_identical(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_bit_identical(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bit_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a} != {b}"
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """128 uninterrupted steps on 2 ranks: the reference for every resume."""
+    out = tmp_path_factory.mktemp("straight")
+    torchrun(*train_args(out, *EVERY_20), timeout=180)
+    return final_state(out / "smoke")
+
+
+def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, straight_run):
+    crashed = faulty_run(tmp_path, FAULT="crash", FAULT_RANK="1", FAULT_STEP="45")
+    assert crashed.returncode != 0 and "injected crash in step 45" in crashed.stderr
+    resumed = torchrun(*train_args(tmp_path, *EVERY_20), timeout=180)
+    assert "resumed from" in resumed.stdout and "step_00000040.pt at step 40" in resumed.stdout  # mid-epoch 0
+    result = final_state(tmp_path / "smoke")
+    for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
+        assert_bit_identical(result[part], straight_run[part], part)
+
+
+def test_torchrun_restart_after_a_worker_failure_resumes_and_matches(tmp_path, straight_run):
+    once = tmp_path / "failed-once"
+    result = faulty_run(tmp_path, launcher=("--max-restarts=1",), timeout=240,
+                        FAULT="crash", FAULT_RANK="1", FAULT_STEP="70", FAULT_ONCE=str(once))
+    assert result.returncode == 0, result.stderr
+    assert once.exists() and "step_00000060.pt at step 60" in result.stdout
+    assert_bit_identical(final_state(tmp_path / "smoke")["model"], straight_run["model"], "model")
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int | None:
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+def wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find a worker's pid")
+def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_resumes(tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY,
+               *train_args(tmp_path, *EVERY_20, "train.epochs=20")[2:]]
+    job = subprocess.Popen(command, cwd=PROJECT, env=project_env(FAULT="slow", FAULT_SECONDS="0.02"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    latest = tmp_path / "smoke" / "checkpoints" / "latest"
+    try:
+        wait_for(latest.exists, timeout=60)
+        os.kill(worker_pid(job.pid, rank=1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        job.wait(timeout=90)
+    finally:
+        job.kill()
+    assert job.returncode != 0
+    assert time.monotonic() - killed_at < 60  # torchrun notices and stops the survivors: no hang
+    path, state = checkpoint.newest_loadable(tmp_path / "smoke")
+    assert state["step"] >= 20
+    rerun = torchrun(*train_args(tmp_path, *EVERY_20, "train.epochs=20", "train.max_steps=" + str(state["step"] + 5)),
+                     timeout=120)
+    assert f"{path.name} at step {state['step']}" in rerun.stdout
+
+
+def test_sigterm_checkpoints_the_current_step_exits_75_and_the_rerun_continues(tmp_path):
+    overrides = [*train_args(tmp_path, "train.epochs=200", "checkpoint.every_steps=1000")[2:]]
+    job = subprocess.Popen(["bash", "scripts/train.sh", *overrides], cwd=PROJECT,
+                           env=project_env(NPROC_PER_NODE="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    metrics = tmp_path / "smoke" / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, timeout=60)
+        job.send_signal(signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == checkpoint.PREEMPTED_EXIT_CODE, stderr
+    saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
+    step = int(saved.removeprefix("step_").removesuffix(".pt"))
+    assert f"preempted at step {step}: checkpoint written" in stdout
+    rerun = torchrun(*train_args(tmp_path, f"train.max_steps={step + 5}"), timeout=120)
+    assert f"{saved} at step {step}" in rerun.stdout and f"done: {step + 5} steps" in rerun.stdout
+
+
+def test_exception_in_one_ranks_data_pipeline_ends_the_job_with_its_traceback(tmp_path):
+    start = time.monotonic()
+    result = faulty_run(tmp_path, timeout=90, FAULT="data", FAULT_RANK="1", FAULT_STEP="3")
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "[rank 1/2] ValueError: injected data error" in result.stderr
+    assert "Traceback" in result.stderr
+
+
+def test_short_timeout_turns_a_stuck_collective_into_an_error(tmp_path):
+    start = time.monotonic()
+    result = faulty_run(tmp_path, "dist.timeout_minutes=0.05", timeout=120,
+                        FAULT="stall", FAULT_RANK="1", FAULT_STEP="3", FAULT_SECONDS="20")
+    assert result.returncode != 0
+    assert time.monotonic() - start < 60
+    assert "[rank 0/2]" in result.stderr and "imed out" in result.stderr  # rank 0 gave up waiting
+
+
+def small_state(step: int) -> TrainState:
+    cfg = config.load(SMOKE_CONFIG)
+    model = build_model(cfg)
+    optimizer = optim.build_optimizer(model, 1e-3, 0.0)
+    scheduler = optim.build_scheduler(optimizer, cfg.train, 100, 0.05)
+    return TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
+
+
+INFO = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+
+
+def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    checkpoint.save(small_state(1), tmp_path, {}, INFO, keep_last=3)
+
+    def crash(src, dst):
+        raise OSError("killed during the write")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(OSError, match="killed during the write"):
+        checkpoint.save(small_state(2), tmp_path, {}, INFO, keep_last=3)
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoints" / "step_00000002.pt").exists()
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001.pt"
+    path, state = checkpoint.newest_loadable(tmp_path)
+    assert path.name == "step_00000001.pt" and state["step"] == 1
+
+
+def test_corrupt_checkpoints_are_skipped_by_auto_and_rejected_by_path(tmp_path):
+    for step in (1, 2):
+        checkpoint.save(small_state(step), tmp_path, {}, INFO, keep_last=5)
+    good = (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes()
+    (tmp_path / "checkpoints" / "step_00000003.pt").write_bytes(good[: len(good) // 2])  # truncated
+    (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"not a checkpoint")  # garbage
+    with pytest.warns(UserWarning, match="step_00000004.pt is unreadable"):
+        path, state = checkpoint.newest_loadable(tmp_path)
+    assert path.name == "step_00000002.pt" and state["step"] == 2
+    resumed = small_state(0)
+    assert checkpoint.resume(resumed, tmp_path, "auto", INFO).name == "step_00000002.pt"
+    assert resumed.step == 2
+    with pytest.raises(ValueError, match="step_00000003.pt is unreadable .* pass another file"):
+        checkpoint.resume(small_state(0), tmp_path, str(tmp_path / "checkpoints" / "step_00000003.pt"), INFO)
+
+
+def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"garbage")
+    result = run([sys.executable, *train_args(tmp_path, f"checkpoint.resume={bad}")], check=False, timeout=60)
+    assert result.returncode != 0 and f"checkpoint {bad} is unreadable" in result.stderr
+
+
+class RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/should-not-exist-ddp-template",))
+
+
+def test_loading_never_runs_code_from_the_file(tmp_path):
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"model": RunsCode()}))
+    with pytest.raises(ValueError, match="unreadable"):
+        checkpoint.load_file(evil)
+    assert not Path("/tmp/should-not-exist-ddp-template").exists()
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    for step in range(1, 6):
+        checkpoint.save(small_state(step), tmp_path, {}, INFO, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["step_00000004.pt", "step_00000005.pt"]
+
+
+def test_export_gives_a_plain_state_dict(tmp_path):
+    state = small_state(7)
+    path = checkpoint.save(state, tmp_path, {}, INFO, keep_last=1)
+    run([sys.executable, "-m", f"{PACKAGE}.checkpoint", "export", str(path), str(tmp_path / "weights.pt")])
+    weights = torch.load(tmp_path / "weights.pt", weights_only=True)
+    model = build_model(config.load(SMOKE_CONFIG))
+    model.load_state_dict(weights)  # strict: no module./_orig_mod. prefixes
+    assert all(torch.equal(weights[k], v) for k, v in state.model.state_dict().items())
+
+
+def test_rng_state_round_trips(tmp_path):
+    checkpoint.set_rng_state(checkpoint.rng_state())
+    before = checkpoint.rng_state()
+    expected = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    checkpoint.set_rng_state(before)
+    again = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    assert torch.equal(expected[0], again[0]) and expected[1:] == again[1:]
