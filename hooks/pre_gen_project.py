@@ -21,6 +21,7 @@ RESERVED_PACKAGES = {
     "torch", "torchvision", "torchaudio", "numpy", "yaml", "tqdm", "pytest", "test", "tests",
     "setuptools", "pip", "cookiecutter", "src", "scripts", "configs", "ruff", "triton",
 }
+MAX_NAME_LENGTH = 32  # generated lines that hold the package name stay within the 120-column lint
 SLUG_PATTERN = re.compile(r"^[a-z][a-z0-9_-]*$")
 PACKAGE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -36,6 +37,8 @@ def check_package(name: str) -> str | None:
     if not PACKAGE_PATTERN.match(name):
         return (f"package_name {name!r} is not a lowercase Python identifier: use letters, digits and '_', "
                 f"starting with a letter (e.g. {_suggest(name, '_')!r})")
+    if len(name) > MAX_NAME_LENGTH:
+        return f"package_name {name!r} is longer than {MAX_NAME_LENGTH} characters: pick a shorter one"
     if keyword.iskeyword(name) or name in RESERVED_PACKAGES or name in sys.stdlib_module_names:
         return (f"package_name {name!r} would shadow the module of that name "
                 f"(a keyword, stdlib or dependency): pick another, e.g. {name + '_train'!r}")

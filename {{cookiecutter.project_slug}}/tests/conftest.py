@@ -31,16 +31,24 @@ def project_env(**extra: str) -> dict:
 
 def run(command: list[str], timeout: float = 120, env: dict | None = None, check: bool = True):
     """Run a command from the project root; a hang fails the test instead of the CI job."""
-    result = subprocess.run(command, cwd=PROJECT, env=env or project_env(), capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        command, cwd=PROJECT, env=env or project_env(), capture_output=True, text=True, timeout=timeout
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
 
 
 def torchrun(*args: str, nproc: int = 2, launcher: tuple[str, ...] = (), **kwargs):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *launcher, *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *launcher,
+        *args,
+    ]
     return run(command, **kwargs)
 
 

@@ -47,16 +47,21 @@ def single_process_reference(cfg, world_size: int, steps: int) -> torch.nn.Modul
     optimizer = optim.build_optimizer(model, cfg.train.lr, cfg.train.weight_decay)
     shards = []
     for rank in range(world_size):
-        sampler = data.ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                        seed=cfg.run.seed, drop_last=True)
+        sampler = data.ResumableSampler(
+            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.run.seed, drop_last=True
+        )
         sampler.set_epoch(0)
         shards.append(list(sampler))
     per_rank = cfg.data.batch_size * cfg.train.grad_accum_steps
     total = min(cfg.train.max_steps, len(shards[0]) // per_rank)
-    scheduler = optim.build_scheduler(optimizer, cfg.train, total, optim.warmup_fraction(
-        cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size))
+    scheduler = optim.build_scheduler(
+        optimizer,
+        cfg.train,
+        total,
+        optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size),
+    )
     for step in range(steps):
-        indices = [i for shard in shards for i in shard[step * per_rank:(step + 1) * per_rank]]
+        indices = [i for shard in shards for i in shard[step * per_rank : (step + 1) * per_rank]]
         inputs, targets = train_set.inputs[indices], train_set.targets[indices]
         F.cross_entropy(model(inputs), targets).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
@@ -71,15 +76,29 @@ def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def prove_ddp_equals_big_batch(out: Path, info: DistInfo, accum: int, steps: int) -> dict:
-    cfg = config.load(SMOKE, [*EXACT_MATHS, f"run.out_dir={out}", f"run.name=accum{accum}",
-                              f"train.grad_accum_steps={accum}", f"train.max_steps={steps}", "checkpoint.resume=never"])
+    cfg = config.load(
+        SMOKE,
+        [
+            *EXACT_MATHS,
+            f"run.out_dir={out}",
+            f"run.name=accum{accum}",
+            f"train.grad_accum_steps={accum}",
+            f"train.max_steps={steps}",
+            "checkpoint.resume=never",
+        ],
+    )
     job = train.build(cfg, info)
     counter = SyncCounter()
     job.model.register_comm_hook(counter, counting_hook)
     train.fit(job, cfg, info, preemption=type("Never", (), {"requested": False})())
     reference = single_process_reference(cfg, info.world_size, steps)
-    return {"max_difference": max_difference(job.state.model, reference), "steps": job.state.step,
-            "syncs": counter.syncs, "bucket_allreduces": counter.buckets, "micro_batches": steps * accum}
+    return {
+        "max_difference": max_difference(job.state.model, reference),
+        "steps": job.state.step,
+        "syncs": counter.syncs,
+        "bucket_allreduces": counter.buckets,
+        "micro_batches": steps * accum,
+    }
 
 
 def prove_same_initial_weights(info: DistInfo) -> dict:

@@ -22,8 +22,14 @@ EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
 
 
 def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
-    return torchrun(FAULTY, *train_args(out_dir, *EVERY_20, *overrides)[2:], launcher=launcher, timeout=timeout,
-                    check=False, env=project_env(**fault))
+    return torchrun(
+        FAULTY,
+        *train_args(out_dir, *EVERY_20, *overrides)[2:],
+        launcher=launcher,
+        timeout=timeout,
+        check=False,
+        env=project_env(**fault),
+    )
 
 
 def final_state(run_dir: Path) -> dict:
@@ -64,8 +70,15 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, str
 
 def test_torchrun_restart_after_a_worker_failure_resumes_and_matches(tmp_path, straight_run):
     once = tmp_path / "failed-once"
-    result = faulty_run(tmp_path, launcher=("--max-restarts=1",), timeout=240,
-                        FAULT="crash", FAULT_RANK="1", FAULT_STEP="70", FAULT_ONCE=str(once))
+    result = faulty_run(
+        tmp_path,
+        launcher=("--max-restarts=1",),
+        timeout=240,
+        FAULT="crash",
+        FAULT_RANK="1",
+        FAULT_STEP="70",
+        FAULT_ONCE=str(once),
+    )
     assert result.returncode == 0, result.stderr
     assert once.exists() and "step_00000060.pt at step 60" in result.stdout
     assert_bit_identical(final_state(tmp_path / "smoke")["model"], straight_run["model"], "model")
@@ -89,10 +102,23 @@ def wait_for(predicate, timeout: float) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find a worker's pid")
 def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_resumes(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY,
-               *train_args(tmp_path, *EVERY_20, "train.epochs=20")[2:]]
-    job = subprocess.Popen(command, cwd=PROJECT, env=project_env(FAULT="slow", FAULT_SECONDS="0.02"),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        FAULTY,
+        *train_args(tmp_path, *EVERY_20, "train.epochs=20")[2:],
+    ]
+    job = subprocess.Popen(
+        command,
+        cwd=PROJECT,
+        env=project_env(FAULT="slow", FAULT_SECONDS="0.02"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     latest = tmp_path / "smoke" / "checkpoints" / "latest"
     try:
         wait_for(latest.exists, timeout=60)
@@ -105,16 +131,23 @@ def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_resumes(tmp_path):
     assert time.monotonic() - killed_at < 60  # torchrun notices and stops the survivors: no hang
     path, state = checkpoint.newest_loadable(tmp_path / "smoke")
     assert state["step"] >= 20
-    rerun = torchrun(*train_args(tmp_path, *EVERY_20, "train.epochs=20", "train.max_steps=" + str(state["step"] + 5)),
-                     timeout=120)
+    rerun = torchrun(
+        *train_args(tmp_path, *EVERY_20, "train.epochs=20", "train.max_steps=" + str(state["step"] + 5)), timeout=120
+    )
     assert f"{path.name} at step {state['step']}" in rerun.stdout
 
 
 def test_sigterm_checkpoints_the_current_step_exits_75_and_the_rerun_continues(tmp_path):
     overrides = [*train_args(tmp_path, "train.epochs=200", "checkpoint.every_steps=1000")[2:]]
-    job = subprocess.Popen(["bash", "scripts/train.sh", *overrides], cwd=PROJECT,
-                           env=project_env(NPROC_PER_NODE="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
+    job = subprocess.Popen(
+        ["bash", "scripts/train.sh", *overrides],
+        cwd=PROJECT,
+        env=project_env(NPROC_PER_NODE="2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     metrics = tmp_path / "smoke" / "metrics.jsonl"
     try:
         wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, timeout=60)
@@ -141,8 +174,15 @@ def test_exception_in_one_ranks_data_pipeline_ends_the_job_with_its_traceback(tm
 
 def test_short_timeout_turns_a_stuck_collective_into_an_error(tmp_path):
     start = time.monotonic()
-    result = faulty_run(tmp_path, "dist.timeout_minutes=0.05", timeout=120,
-                        FAULT="stall", FAULT_RANK="1", FAULT_STEP="3", FAULT_SECONDS="20")
+    result = faulty_run(
+        tmp_path,
+        "dist.timeout_minutes=0.05",
+        timeout=120,
+        FAULT="stall",
+        FAULT_RANK="1",
+        FAULT_STEP="3",
+        FAULT_SECONDS="20",
+    )
     assert result.returncode != 0
     assert time.monotonic() - start < 60
     assert "[rank 0/2]" in result.stderr and "imed out" in result.stderr  # rank 0 gave up waiting

@@ -27,9 +27,14 @@ FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 def test_two_process_run_trains_and_reports(tmp_path):
     result = torchrun(*train_args(tmp_path, "run.name=e2e"), timeout=180)
     out = result.stdout
-    for line in ("world size 2 (2 per node), backend gloo", "global batch 32 = 16 per device x 2 ranks x 1",
-                 "lr 0.01 (auto scaling of 0.01 tuned at batch 32)", "static memory per device",
-                 "loader workers per rank", "done: 128 steps"):
+    for line in (
+        "world size 2 (2 per node), backend gloo",
+        "global batch 32 = 16 per device x 2 ranks x 1",
+        "lr 0.01 (auto scaling of 0.01 tuned at batch 32)",
+        "static memory per device",
+        "loader workers per rank",
+        "done: 128 steps",
+    ):
         assert line in out
     assert out.count("world size") == 1  # printed by rank 0 only
     losses = train_losses(tmp_path / "e2e")
@@ -52,8 +57,14 @@ def test_world_of_one_trains_in_each_precision(tmp_path, precision):
 
 
 def test_non_finite_loss_stops_every_rank_with_advice(tmp_path):
-    result = torchrun(FAULTY, *train_args(tmp_path)[2:], nproc=2, timeout=120, check=False,
-                      env=project_env(FAULT="nan", FAULT_RANK="1", FAULT_STEP="3"))
+    result = torchrun(
+        FAULTY,
+        *train_args(tmp_path)[2:],
+        nproc=2,
+        timeout=120,
+        check=False,
+        env=project_env(FAULT="nan", FAULT_RANK="1", FAULT_STEP="3"),
+    )
     assert result.returncode != 0
     for rank in (0, 1):  # rank 1 produced the NaN; the reduced loss stops rank 0 too
         assert f"[rank {rank}/2] FloatingPointError: loss is nan at step 5: lower train.lr" in result.stderr
@@ -85,15 +96,20 @@ def test_bf16_on_an_unsupported_gpu_is_a_config_error(monkeypatch):
 
 @needs_cuda
 def test_cuda_run_binds_its_device_and_uses_nccl(tmp_path):
-    result = torchrun(*train_args(tmp_path, "train.max_steps=10"), nproc=min(2, torch.cuda.device_count()),
-                      timeout=300)
+    result = torchrun(*train_args(tmp_path, "train.max_steps=10"), nproc=min(2, torch.cuda.device_count()), timeout=300)
     assert "backend nccl" in result.stdout or torch.cuda.device_count() == 1
 
 
 @needs_two_gpus
 def test_sync_batchnorm_is_converted_before_ddp_on_gpus(tmp_path):
-    result = torchrun("-m", f"{PACKAGE}.smoke", "--config", str(PROJECT / "configs" / "smoke.yaml"),
-                      "train.sync_batchnorm=true", timeout=300)
+    result = torchrun(
+        "-m",
+        f"{PACKAGE}.smoke",
+        "--config",
+        str(PROJECT / "configs" / "smoke.yaml"),
+        "train.sync_batchnorm=true",
+        timeout=300,
+    )
     assert "PASS  SyncBatchNorm" in result.stdout
 
 

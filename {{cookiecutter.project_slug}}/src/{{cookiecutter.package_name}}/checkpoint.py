@@ -62,8 +62,12 @@ def rng_state() -> dict:
     np_state = np.random.get_state(legacy=False)
     return {
         "python": random.getstate(),
-        "numpy": {"key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)), "pos": np_state["state"]["pos"],
-                  "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]},
+        "numpy": {
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": np_state["state"]["pos"],
+            "has_gauss": np_state["has_gauss"],
+            "gauss": np_state["gauss"],
+        },
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
@@ -72,8 +76,14 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate(_as_tuples(state["python"]))
     np_state = state["numpy"]
-    np.random.set_state({"bit_generator": "MT19937", "state": {"key": np_state["key"].numpy().astype(np.uint32),
-                         "pos": np_state["pos"]}, "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": np_state["key"].numpy().astype(np.uint32), "pos": np_state["pos"]},
+            "has_gauss": np_state["has_gauss"],
+            "gauss": np_state["gauss"],
+        }
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -148,8 +158,10 @@ def load_file(path: str | Path) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint {path} does not exist; check checkpoint.resume") from None
     except Exception as err:
-        raise ValueError(f"checkpoint {path} is unreadable ({type(err).__name__}: {err}); "
-                         "it may be truncated or not a checkpoint: pass another file or checkpoint.resume=auto") from err
+        raise ValueError(
+            f"checkpoint {path} is unreadable ({type(err).__name__}: {err}); "
+            "it may be truncated or not a checkpoint: pass another file or checkpoint.resume=auto"
+        ) from err
 
 
 def newest_loadable(run_dir: Path) -> tuple[Path | None, dict | None]:

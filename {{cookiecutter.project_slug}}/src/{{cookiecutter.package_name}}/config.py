@@ -227,8 +227,11 @@ def validate(cfg: Config) -> None:
         ("data.num_workers", cfg.data.num_workers == "auto" or cfg.data.num_workers >= 0, "use auto or >= 0"),
         ("train.max_steps", cfg.train.max_steps is None or cfg.train.max_steps >= 1, "use null or >= 1"),
         ("train.lr", cfg.train.lr > 0, "use a positive learning rate such as 1e-3"),
-        ("train.warmup_fraction", cfg.train.warmup_fraction == "auto" or 0 <= cfg.train.warmup_fraction < 1,
-         "use auto or a share in [0, 1), e.g. 0.03"),
+        (
+            "train.warmup_fraction",
+            cfg.train.warmup_fraction == "auto" or 0 <= cfg.train.warmup_fraction < 1,
+            "use auto or a share in [0, 1), e.g. 0.03",
+        ),
         ("train.min_lr_ratio", 0 <= cfg.train.min_lr_ratio <= 1, "use a ratio in [0, 1]"),
         ("train.weight_decay", cfg.train.weight_decay >= 0, "use >= 0"),
         ("train.grad_clip", cfg.train.grad_clip is None or cfg.train.grad_clip > 0, "use null or a positive norm"),

@@ -49,15 +49,27 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
     if gpus:
         rows.append((OK, "cuda", f"{torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"))
     verdict = OK if gpus == cfg.dist.gpus_per_node else WARN
-    rows.append((verdict, "GPUs", f"{gpus} visible, project planned for {cfg.dist.gpus_per_node} per node"
-                 + ("" if gpus else " (CPU runs use gloo; scripts start 2 processes)")))
+    rows.append(
+        (
+            verdict,
+            "GPUs",
+            f"{gpus} visible, project planned for {cfg.dist.gpus_per_node} per node"
+            + ("" if gpus else " (CPU runs use gloo; scripts start 2 processes)"),
+        )
+    )
     ranks = nproc or gpus or 2
     for port in ports:
         if port_is_free(port):
             rows.append((OK, f"port {port}", "free"))
         else:
-            rows.append((WARN, f"port {port}", "busy: another job holds it; use scripts/train.sh (picks a free "
-                         "port) or set MASTER_PORT to a free one"))
+            rows.append(
+                (
+                    WARN,
+                    f"port {port}",
+                    "busy: another job holds it; use scripts/train.sh (picks a free "
+                    "port) or set MASTER_PORT to a free one",
+                )
+            )
     rows += cpu_rows(cfg, ranks)
     rows.append(shm_row(cfg, ranks))
     for name in sorted(k for k in os.environ if k.startswith("NCCL_") or k in INTERESTING_ENV):
@@ -71,8 +83,14 @@ def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
     workers = auto if cfg.data.num_workers == "auto" else cfg.data.num_workers
     processes = ranks * (workers + 1)
     verdict = OK if processes <= cpus else WARN
-    rows = [(verdict, "CPU workers", f"{ranks} ranks x ({workers} loader workers + 1) = {processes} processes "
-             f"on {cpus} CPUs" + ("" if verdict == OK else f"; oversubscribed: use data.num_workers=auto ({auto})"))]
+    rows = [
+        (
+            verdict,
+            "CPU workers",
+            f"{ranks} ranks x ({workers} loader workers + 1) = {processes} processes "
+            f"on {cpus} CPUs" + ("" if verdict == OK else f"; oversubscribed: use data.num_workers=auto ({auto})"),
+        )
+    ]
     threads = int(os.environ.get("OMP_NUM_THREADS", data.threads_per_rank(cpus, ranks)))
     verdict = OK if threads * ranks <= cpus else WARN
     rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {cpus} CPUs"))
@@ -112,13 +130,29 @@ def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int) -> dict
     with tempfile.TemporaryDirectory() as out:
         for n in (1, nproc):
             window = max(1, steps // 3)
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                       "-m", f"{__package__}.train", "--config", cfg_path, *overrides,
-                       f"run.out_dir={out}", f"run.name=scale{n}", f"train.max_steps={steps}",
-                       f"run.log_every={window}", "checkpoint.resume=never", f"checkpoint.every_steps={steps}",
-                       "train.epochs=1000"]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={n}",
+                "-m",
+                f"{__package__}.train",
+                "--config",
+                cfg_path,
+                *overrides,
+                f"run.out_dir={out}",
+                f"run.name=scale{n}",
+                f"train.max_steps={steps}",
+                f"run.log_every={window}",
+                "checkpoint.resume=never",
+                f"checkpoint.every_steps={steps}",
+                "train.epochs=1000",
+            ]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=_threads_env(n))
-            records = [json.loads(line) for line in (Path(out) / f"scale{n}" / "metrics.jsonl").read_text().splitlines()]
+            records = [
+                json.loads(line) for line in (Path(out) / f"scale{n}" / "metrics.jsonl").read_text().splitlines()
+            ]
             steady = [r for r in records if "loss" in r][1:]  # the first window holds start-up costs
             results[n] = {
                 "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
@@ -152,16 +186,21 @@ def scaling_report(results: dict, nproc: int) -> str:
     data_many = many["data_wait_share"] * step_many
     comm = max(0.0, step_many - step_one - (data_many - one["data_wait_share"] * step_one))
     compute = max(0.0, step_many - data_many - comm)
-    hint = ("raise data.num_workers or make loading cheaper" if data_many >= comm else
-            "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect")
-    return "\n".join([
-        f"1 process:   {one['samples_per_s']:,.0f} samples/s",
-        f"{nproc} processes: {many['samples_per_s']:,.0f} samples/s",
-        f"speedup {speedup:.2f}x, efficiency {efficiency:.2f} ({band})",
-        f"time per sample on {nproc} processes: data wait {data_many / step_many:.0%}, "
-        f"compute {compute / step_many:.0%}, communication and contention {comm / step_many:.0%}",
-        f"largest cost beyond compute: {'data' if data_many >= comm else 'communication'}: {hint}",
-    ])
+    hint = (
+        "raise data.num_workers or make loading cheaper"
+        if data_many >= comm
+        else "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect"
+    )
+    return "\n".join(
+        [
+            f"1 process:   {one['samples_per_s']:,.0f} samples/s",
+            f"{nproc} processes: {many['samples_per_s']:,.0f} samples/s",
+            f"speedup {speedup:.2f}x, efficiency {efficiency:.2f} ({band})",
+            f"time per sample on {nproc} processes: data wait {data_many / step_many:.0%}, "
+            f"compute {compute / step_many:.0%}, communication and contention {comm / step_many:.0%}",
+            f"largest cost beyond compute: {'data' if data_many >= comm else 'communication'}: {hint}",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -173,7 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="module:function building the model (default: build_model)")
     parser.add_argument("--steps", type=int, default=60, help="steps per scaling run")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = config.load(args.config, args.overrides)
     except ConfigError as err:
@@ -189,8 +228,10 @@ def main(argv=None) -> int:
         if not names:
             print("every parameter gets a gradient: keep dist.find_unused_parameters=false")
             return 0
-        print("parameters without a gradient after one step (freeze them with requires_grad_(False), "
-              "remove them, or set dist.find_unused_parameters=true at a 10-20% cost):")
+        print(
+            "parameters without a gradient after one step (freeze them with requires_grad_(False), "
+            "remove them, or set dist.find_unused_parameters=true at a 10-20% cost):"
+        )
         print("\n".join(f"  {name}" for name in names))
         return 1
     nproc = args.nproc or torch.cuda.device_count() or 2

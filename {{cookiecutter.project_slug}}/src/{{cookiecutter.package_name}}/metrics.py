@@ -31,7 +31,7 @@ class Totals:
     def reduced(self) -> dict[str, float]:
         """Global sums; a collective, so every rank must call it."""
         total = all_reduce_sum(self.sums.clone())
-        return dict(zip(self.names, total.tolist()))
+        return dict(zip(self.names, total.tolist(), strict=True))
 
     def reset(self) -> None:
         self.sums.zero_()

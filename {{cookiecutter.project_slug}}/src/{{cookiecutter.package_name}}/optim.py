@@ -46,7 +46,9 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.o
     return torch.optim.AdamW(groups, lr=lr, fused=next(model.parameters()).is_cuda)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, warmup_share: float) -> LRScheduler:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, warmup_share: float
+) -> LRScheduler:
     """Linear warmup from ~0, then cosine decay to lr x min_lr_ratio; stepped once per optimizer step."""
     warmup = max(1, round(total_steps * warmup_share))
     peak = optimizer.param_groups[0]["lr"]

@@ -129,10 +129,12 @@ def run_checks(cfg, info: DistInfo) -> list[tuple[str, str, str]]:
     elapsed = time.perf_counter() - start
 
     digests = dist.all_gather_objects(parameter_digest(job.state.model))
-    results.append(("parameters equal on all ranks",
-                    PASS if len(set(digests)) == 1 else FAIL, f"digests {sorted(set(digests))}"))
-    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if info.is_main else []
+    results.append(
+        ("parameters equal on all ranks", PASS if len(set(digests)) == 1 else FAIL, f"digests {sorted(set(digests))}")
+    )
+    records = (
+        [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()] if info.is_main else []
+    )
     results.append(("loss decreases", *dist.broadcast_object(_loss_trend(records))))
     results.append(("one all-reduce per optimizer step", *_comm_check(counter, job, info)))
     results.append(("precision", *check_precision(cfg, info, job.state.scaler)))
@@ -201,7 +203,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smoke.yaml")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     info = DistInfo.from_env()
     try:
         cfg = config.load(args.config, ["run.name=smoke-check", "checkpoint.resume=never", *args.overrides])

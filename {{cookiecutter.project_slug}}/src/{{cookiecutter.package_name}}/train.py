@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.yaml", help="YAML file with the run's settings")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=3e-4 data.batch_size=64")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:
@@ -137,7 +137,9 @@ def fit(job: Job, cfg: Config, info: DistInfo, preemption) -> str:
         sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
         outcome = train_one_epoch(state, job.model, job.train_loader, cfg, info, log, preemption, job.total_steps)
         if outcome != "preempted":
-            log.write({"step": state.step, "epoch": state.epoch, **evaluate(job.eval_model, job.eval_loader, cfg, info)})
+            log.write(
+                {"step": state.step, "epoch": state.epoch, **evaluate(job.eval_model, job.eval_loader, cfg, info)}
+            )
         if outcome == "epoch_end":
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
     log.close()
@@ -171,13 +173,22 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
     return model, eval_model
 
 
-def train_one_epoch(state: TrainState, model: nn.Module, loader, cfg: Config, info: DistInfo,
-                    log: TrainingLog, preemption, total_steps: int) -> str:
+def train_one_epoch(
+    state: TrainState,
+    model: nn.Module,
+    loader,
+    cfg: Config,
+    info: DistInfo,
+    log: TrainingLog,
+    preemption,
+    total_steps: int,
+) -> str:
     """Optimizer steps until the epoch ends ("epoch_end"), total_steps ("max_steps") or a
     preemption request reaches every rank ("preempted")."""
     accum = cfg.train.grad_accum_steps
-    autocast = torch.autocast(info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision],
-                              enabled=cfg.train.precision != "fp32")
+    autocast = torch.autocast(
+        info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
+    )
     model.train()
     batches = iter(loader)
     for micro_step in range(len(loader) - len(loader) % accum):  # drop a partial accumulation
@@ -239,8 +250,9 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
     for inputs, targets in loader:
         inputs = inputs.to(info.device, non_blocking=True)
         targets = targets.to(info.device, non_blocking=True)
-        with torch.autocast(info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision],
-                            enabled=cfg.train.precision != "fp32"):
+        with torch.autocast(
+            info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
+        ):
             logits = model(inputs).float()
         real = real_sample_mask(position, len(targets), info, len(loader.dataset), info.device)
         position += len(targets)
@@ -248,8 +260,11 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
         totals.add(loss=losses[real].sum(), correct=(logits.argmax(1) == targets)[real].sum(), count=real.sum())
     sums = totals.reduced()
     model.train()
-    return {"eval_loss": sums["loss"] / sums["count"], "eval_accuracy": sums["correct"] / sums["count"],
-            "eval_samples": int(sums["count"])}
+    return {
+        "eval_loss": sums["loss"] / sums["count"],
+        "eval_accuracy": sums["correct"] / sums["count"],
+        "eval_samples": int(sums["count"]),
+    }
 
 
 def report_startup(cfg: Config, info: DistInfo, job: Job, resumed) -> None:

@@ -1,0 +1,130 @@
+"""Every supported combination bakes into a clean project; every bad answer fails early."""
+
+import os
+import re
+import stat
+import subprocess
+
+import pytest
+import yaml
+from conftest import BIN, TEMPLATE, bake, bake_cli
+
+COMMON_FILES = {
+    ".gitignore", ".pre-commit-config.yaml", "README.md", "pyproject.toml",
+    "configs/default.yaml", "configs/smoke.yaml",
+    "scripts/common.sh", "scripts/smoke.sh", "scripts/train.sh", "scripts/train_multinode.sh",
+    "tests/broken_smoke.py", "tests/conftest.py", "tests/dist_proofs.py", "tests/faulty_train.py",
+    "tests/helpers.py", "tests/test_config.py", "tests/test_data.py", "tests/test_distributed.py",
+    "tests/test_faults.py", "tests/test_launchers.py", "tests/test_metrics.py", "tests/test_optim.py",
+    "tests/test_train.py",
+}
+PACKAGE_FILES = {"__init__.py", "checkpoint.py", "config.py", "data.py", "diagnose.py", "dist.py", "metrics.py",
+                 "model.py", "optim.py", "smoke.py", "train.py"}
+SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
+
+SUPPORTED = [
+    {},
+    {"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False, "compile": True, "slurm": False},
+    {"precision": "fp32", "gpus_per_node": "1", "num_nodes": "1", "license": "none"},
+    {"precision": "bf16", "compile": True, "gpus_per_node": "4", "num_nodes": "16", "license": "BSD-3-Clause"},
+    {"project_name": "Vision Net", "per_device_batch_size": "4", "gpus_per_node": "64"},
+    {"project_name": "x", "project_slug": "my_trainer", "package_name": "mytrainer"},
+    {"project_name": "A Very Long Project Name For Testing", "package_name": "a" * 32},
+]
+
+
+def files_of(project):
+    return {str(p.relative_to(project)) for p in project.rglob("*") if p.is_file()}
+
+
+def expected_files(answers, package):
+    files = COMMON_FILES | {f"src/{package}/{name}" for name in PACKAGE_FILES}
+    if answers.get("slurm", True):
+        files |= SLURM_FILES
+    if answers.get("license", "MIT") != "none":
+        files.add("LICENSE")
+    return files
+
+
+@pytest.mark.parametrize("answers", SUPPORTED, ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items()) or "defaults")
+def test_supported_combination_bakes_clean(tmp_path, answers):
+    project = bake(tmp_path, **answers)
+    package = answers.get("package_name") or project.name.replace("-", "_")
+    assert files_of(project) == expected_files(answers, package)
+    for path in project.rglob("*"):
+        if path.is_file():
+            text = path.read_text()
+            assert not re.search(r"\{\{|\{%|\{#", text), f"unrendered Jinja in {path}"
+    config = yaml.safe_load((project / "configs" / "default.yaml").read_text())
+    assert config["train"]["precision"] == answers.get("precision", "bf16")
+    assert config["train"]["compile"] is answers.get("compile", False)
+    assert config["train"]["grad_accum_steps"] == int(answers.get("grad_accum_steps", "1"))
+    assert config["data"]["batch_size"] == int(answers.get("per_device_batch_size", "32"))
+    total_gpus = int(answers.get("gpus_per_node", "8")) * int(answers.get("num_nodes", "1"))
+    assert config["train"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1)
+    assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
+    for script in (project / "scripts").glob("*.sh"):
+        if script.name != "common.sh":
+            assert script.stat().st_mode & stat.S_IXUSR
+    lint = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", str(project)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    fmt = subprocess.run([str(BIN / "ruff"), "format", "--check", "--no-cache", str(project)], capture_output=True,
+                         text=True, cwd=project)
+    assert fmt.returncode == 0, fmt.stdout
+
+
+def test_no_jinja_control_blocks_in_python_files():
+    for path in (TEMPLATE / "{{cookiecutter.project_slug}}").rglob("*.py"):
+        assert not re.search(r"\{%-?\s*(if|for|elif|else|endif|endfor)", path.read_text()), path
+
+
+def test_cli_answers_land_in_the_config(tmp_path):
+    result = bake_cli(tmp_path, "precision=fp16", "grad_accum_steps=4", "sync_batchnorm=false", "compile=true",
+                      "slurm=false")
+    assert result.returncode == 0, result.stderr
+    train = yaml.safe_load((tmp_path / "ddp-trainer" / "configs" / "default.yaml").read_text())["train"]
+    assert (train["precision"], train["grad_accum_steps"], train["sync_batchnorm"], train["compile"]) == (
+        "fp16", 4, False, True)
+    assert not (tmp_path / "ddp-trainer" / "scripts" / "train.sbatch").exists()
+    assert "global batch on 8 GPU(s): 32 x 8 x 4 = 1024" in result.stdout
+
+
+def test_prompts_answered_on_stdin(tmp_path):
+    # project name, then Enter for every other question
+    result = bake_cli(tmp_path, stdin="Image Classifier\n" + "\n" * 20)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "image-classifier" / "src" / "image_classifier" / "train.py").exists()
+
+
+UNSUPPORTED = [
+    (["gpus_per_node=0"], "gpus_per_node 0 is out of range: use 1 to 64"),
+    (["gpus_per_node=100"], "gpus_per_node 100 is out of range"),
+    (["num_nodes=0"], "num_nodes 0 is out of range"),
+    (["per_device_batch_size=0"], "per_device_batch_size 0 is out of range"),
+    (["grad_accum_steps=x"], "grad_accum_steps 'x' is not a whole number"),
+    (["project_slug=My-Project!"], "project_slug 'My-Project!' is not a valid directory name"),
+    (["package_name=torch"], "package_name 'torch' would shadow the module of that name"),
+    (["package_name=test"], "package_name 'test' would shadow"),
+    (["package_name=My-Pkg"], "package_name 'My-Pkg' is not a lowercase Python identifier"),
+    ([f"package_name={'a' * 33}"], "is longer than 32 characters"),
+]
+
+
+@pytest.mark.parametrize(("answers", "message"), UNSUPPORTED, ids=lambda a: a[0] if isinstance(a, list) else "")
+def test_unsupported_answer_fails_in_the_pre_gen_hook(tmp_path, answers, message):
+    result = bake_cli(tmp_path, *answers)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert message in errors[0]  # one line per problem; a bad slug also makes a bad derived package
+    assert os.listdir(tmp_path) == []
+
+
+def test_replay_reproduces_a_project(tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path))
+    args = [str(BIN / "cookiecutter"), str(TEMPLATE), "--no-input", "precision=fp32", "-o", str(tmp_path / "b")]
+    assert subprocess.run(args, env=env, capture_output=True, timeout=60).returncode == 0
+    replayed = subprocess.run([str(BIN / "cookiecutter"), str(TEMPLATE), "--replay", "-o", str(tmp_path / "c")],
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert replayed.returncode == 0, replayed.stderr
+    configs = [(tmp_path / d / "ddp-trainer" / "configs" / "default.yaml").read_text() for d in ("b", "c")]
+    assert configs[0] == configs[1] and "precision: fp32" in configs[1]

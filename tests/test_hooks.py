@@ -1,0 +1,112 @@
+"""The hooks' functions, imported and tested directly."""
+
+import pytest
+import yaml
+from conftest import TEMPLATE, load_hook
+
+pre = load_hook("pre_gen_project")
+post = load_hook("post_gen_project")
+
+DEFAULTS = {
+    "project_name": "DDP Trainer", "project_slug": "ddp-trainer", "package_name": "ddp_trainer",
+    "gpus_per_node": "8", "num_nodes": "1", "precision": "bf16", "sync_batchnorm": True, "compile": False,
+    "grad_accum_steps": "1", "per_device_batch_size": "32", "slurm": True, "license": "MIT",
+}
+
+
+def answers(**changes):
+    return DEFAULTS | changes
+
+
+def test_defaults_are_valid():
+    assert pre.validate(answers()) == ([], [])
+
+
+@pytest.mark.parametrize("slug", ["ddp-trainer", "my_net2", "a"])
+def test_good_slugs(slug):
+    assert pre.check_slug(slug) is None
+
+
+@pytest.mark.parametrize(("slug", "suggestion"), [("My-Project!", "my-project"), ("2fast", "fast"), ("", "my-project")])
+def test_bad_slugs_suggest_a_fix(slug, suggestion):
+    assert f"(e.g. '{suggestion}')" in pre.check_slug(slug)
+
+
+@pytest.mark.parametrize("name", ["torch", "test", "tests", "os", "json", "class", "yaml", "numpy"])
+def test_reserved_package_names(name):
+    assert "would shadow" in pre.check_package(name)
+
+
+@pytest.mark.parametrize("name", ["My_Pkg", "my-pkg", "1pkg", "pkg!"])
+def test_package_must_be_a_lowercase_identifier(name):
+    assert "not a lowercase Python identifier" in pre.check_package(name)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("gpus_per_node", "0", "gpus_per_node 0 is out of range: use 1 to 64"),
+        ("gpus_per_node", "65", "out of range"),
+        ("num_nodes", "-1", "num_nodes '-1' is not a whole number"),
+        ("grad_accum_steps", "x", "grad_accum_steps 'x' is not a whole number: type e.g. grad_accum_steps=1"),
+        ("per_device_batch_size", "1.5", "not a whole number"),
+    ],
+)
+def test_counts_are_checked(key, value, message):
+    errors, _ = pre.validate(answers(**{key: value}))
+    assert len(errors) == 1 and message in errors[0]
+
+
+def test_unwise_sync_batchnorm_warns():
+    _, warnings = pre.validate(answers(gpus_per_node="1", per_device_batch_size="4"))
+    assert any("1 GPU in total" in w for w in warnings) and any("below 8" in w for w in warnings)
+    assert pre.validate(answers(sync_batchnorm=False, gpus_per_node="1"))[1] == []
+
+
+def test_resolve_writes_prompted_values():
+    settings, notes = post.resolve(answers(precision="fp16", grad_accum_steps="4", compile=True))
+    assert settings["train.precision"] == "fp16" and settings["train.grad_accum_steps"] == 4
+    assert settings["train.compile"] is True and settings["train.reference_batch_size"] == 128
+    assert settings["dist.gpus_per_node"] == 8 and notes == []
+
+
+def test_resolve_turns_sync_batchnorm_off_on_one_gpu():
+    settings, notes = post.resolve(answers(gpus_per_node="1"))
+    assert settings["train.sync_batchnorm"] is False and "one GPU" in notes[0]
+
+
+def test_set_yaml_values_keeps_comments_and_columns():
+    text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "configs" / "default.yaml").read_text()
+    new = post.set_yaml_values(text, {"train.precision": "fp16", "train.compile": True, "data.batch_size": 64})
+    assert yaml.safe_load(new)["train"]["precision"] == "fp16" and yaml.safe_load(new)["data"]["batch_size"] == 64
+    old_lines, new_lines = text.splitlines(), new.splitlines()
+    assert len(old_lines) == len(new_lines)
+    for old, line in zip(old_lines, new_lines, strict=True):
+        if "#" in old and "#" in line:
+            assert old[old.index("#"):] == line[line.index("#"):]
+    changed = [line for old, line in zip(old_lines, new_lines, strict=True) if old != line]
+    assert changed == [
+        "  batch_size: 64         # per device; global = batch_size x world size x grad_accum_steps",
+        "  precision: fp16        # bf16 | fp16 (with GradScaler) | fp32",
+        "  compile: true          # torch.compile the model before wrapping it in DDP",
+    ]
+
+
+def test_set_yaml_values_rejects_unknown_keys():
+    with pytest.raises(KeyError, match="train.nope"):
+        post.set_yaml_values("train:\n  lr: 1  # x\n", {"train.nope": 1})
+
+
+def test_remove_unchosen_uses_the_table(tmp_path):
+    for name in ("scripts/train.sbatch", "tests/test_sbatch.py", "LICENSE", "keep.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    removed = post.remove_unchosen(tmp_path, answers(slurm=False, license="none"))
+    assert sorted(removed) == ["LICENSE", "scripts/train.sbatch", "tests/test_sbatch.py"]
+    assert (tmp_path / "keep.txt").exists()
+
+
+def test_summary_states_the_global_batch_and_next_steps():
+    settings, notes = post.resolve(answers(gpus_per_node="4", num_nodes="2", grad_accum_steps="2"))
+    text = post.summary(answers(), settings, notes)
+    assert "32 x 8 x 2 = 512" in text and "scripts/smoke.sh" in text and "SyncBatchNorm on" in text

@@ -1,0 +1,175 @@
+"""Launch scripts (P29, P30), the SLURM script, the smoke check and the diagnostics."""
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_losses
+
+SCRIPTS = PROJECT / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_scripts_are_executable_and_parse():
+    for script in SCRIPTS.iterdir():
+        if script.suffix in (".sh", ".sbatch"):
+            run(["bash", "-n", str(script)])
+            if script.name != "common.sh":
+                assert script.stat().st_mode & stat.S_IXUSR, f"{script.name} is not executable"
+
+
+def test_train_sh_trains_on_two_cpu_processes_while_29500_is_taken(tmp_path):
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 29500))
+        busy.listen()
+        result = run(
+            ["bash", "scripts/train.sh", "--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "train.max_steps=20"],
+            env=project_env(CUDA_VISIBLE_DEVICES=""),
+            timeout=120,
+        )
+    assert "world size 2 (2 per node), backend gloo" in result.stdout
+    assert "done: 20 steps" in result.stdout
+
+
+def multinode_env(tmp_path, **extra):
+    return project_env(NNODES="2", NPROC_PER_NODE="1", CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo", **extra)
+
+
+def two_nodes(tmp_path, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+    command = [
+        "bash",
+        "scripts/train_multinode.sh",
+        "--config",
+        SMOKE_CONFIG,
+        f"run.out_dir={tmp_path}",
+        "train.max_steps=20",
+    ]
+    nodes = [
+        subprocess.Popen(command, cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for env in envs
+    ]
+    try:
+        return (
+            [subprocess.CompletedProcess(command, 0, *node.communicate(timeout=150)) for node in nodes]
+            if all(node.wait(timeout=150) == 0 for node in nodes)
+            else pytest.fail("\n".join(node.communicate()[1] for node in nodes))
+        )
+    finally:
+        for node in nodes:
+            node.kill()
+
+
+def test_two_nodes_on_loopback_with_a_static_master(tmp_path):
+    port = str(free_port())
+    envs = [multinode_env(tmp_path, NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for rank in (0, 1)]
+    first, _ = two_nodes(tmp_path, envs)
+    assert "world size 2 (1 per node), backend gloo" in first.stdout
+    assert len(train_losses(tmp_path / "smoke")) >= 2
+
+
+def test_two_nodes_on_loopback_with_c10d_rendezvous(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    envs = [multinode_env(tmp_path, RDZV_ENDPOINT=endpoint, RDZV_ID="loopback") for _ in (0, 1)]
+    outputs = two_nodes(tmp_path, envs)
+    assert any("world size 2 (1 per node), backend gloo" in o.stdout for o in outputs)
+
+
+def smoke_rows(output: str) -> dict:
+    rows = {}
+    for line in output.splitlines():
+        verdict, _, rest = line.partition("  ")
+        if verdict in ("PASS", "FAIL", "SKIP", "INFO"):
+            name, _, detail = rest.strip().partition("  ")
+            rows[name.strip()] = (verdict, detail.strip())
+    return rows
+
+
+def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons():
+    result = run(["bash", "scripts/smoke.sh"], env=project_env(CUDA_VISIBLE_DEVICES=""), timeout=180)
+    rows = smoke_rows(result.stdout)
+    assert "smoke: PASS (0 failed)" in result.stdout
+    for check in (
+        "backend",
+        "gradients all-reduced",
+        "parameters equal on all ranks",
+        "loss decreases",
+        "one all-reduce per optimizer step",
+        "precision",
+        "checkpoint round trip",
+        "eval counts every sample once",
+    ):
+        assert rows[check][0] == "PASS", (check, rows[check])
+    assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
+    assert rows["SyncBatchNorm"][0] == "SKIP" and "needs CUDA" in rows["SyncBatchNorm"][1]
+    assert rows["throughput"][0] == "INFO"
+
+
+def test_smoke_fails_when_gradients_are_not_all_reduced():
+    result = torchrun(str(PROJECT / "tests" / "broken_smoke.py"), "--config", SMOKE_CONFIG, check=False, timeout=180)
+    rows = smoke_rows(result.stdout)
+    assert result.returncode != 0 and "smoke: FAIL" in result.stdout
+    assert rows["gradients all-reduced"][0] == "FAIL"
+    assert rows["parameters equal on all ranks"][0] == "FAIL"
+
+
+def test_smoke_config_keeps_loss_records():
+    # the smoke check needs at least two loss records to judge the trend
+    from {{ cookiecutter.package_name }} import config
+
+    cfg = config.load(SMOKE_CONFIG)
+    assert cfg.train.epochs * (cfg.data.train_samples // (2 * cfg.data.batch_size)) >= 2 * cfg.run.log_every
+
+
+def diagnose(*args, **kwargs):
+    return run([sys.executable, "-m", f"{PACKAGE}.diagnose", *args], **kwargs)
+
+
+def test_diagnose_unused_lists_an_unused_head():
+    result = diagnose("unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head", check=False)
+    assert result.returncode == 1
+    assert "aux_head.weight" in result.stdout and "aux_head.bias" in result.stdout
+    assert "body." not in result.stdout
+    clean = diagnose("unused", "--config", SMOKE_CONFIG)
+    assert "every parameter gets a gradient" in clean.stdout
+
+
+def test_diagnose_doctor_flags_a_busy_port_and_oversubscription():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = diagnose(
+            "doctor",
+            "--config",
+            SMOKE_CONFIG,
+            "--nproc",
+            "2",
+            "--port",
+            str(port),
+            "--port",
+            str(free_port()),
+            f"data.num_workers={4 * os.cpu_count()}",
+        )
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("WARN") and f"port {port}" in line and "busy" in line for line in lines)
+    assert any(line.startswith("ok") and "free" in line for line in lines)
+    assert any(line.startswith("WARN") and "oversubscribed" in line for line in lines)
+    assert any("torch" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_diagnose_scaling_reports_speedup_and_split(tmp_path):
+    result = diagnose("scaling", "--config", SMOKE_CONFIG, "--nproc", "2", "--steps", "30", timeout=240)
+    out = result.stdout
+    assert "speedup" in out and "efficiency" in out
+    assert "data wait" in out and "communication" in out
+    assert any(band in out for band in ("good", "room to improve", "poor", "bottleneck"))
