@@ -118,3 +118,14 @@ def test_fp16_grad_scaler_on_cuda(tmp_path):
     run([sys.executable, *train_args(tmp_path, "train.precision=fp16", "train.max_steps=20")], timeout=300)
     state = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / "step_00000020.pt")
     assert state["scaler"]["scale"] > 0
+
+
+def test_the_generated_default_config_trains(tmp_path):
+    """configs/default.yaml holds the prompted precision, accumulation, compile and SyncBN choices."""
+    default = PROJECT / "configs" / "default.yaml"
+    result = torchrun("-m", f"{PACKAGE}.train", "--config", str(default), f"run.out_dir={tmp_path}",
+                      "data.train_samples=2048", "train.max_steps=12", "run.log_every=4", timeout=600)
+    cfg = config.load(default)
+    assert f"precision {cfg.train.precision}, compile {cfg.train.compile}" in result.stdout
+    assert f"x {cfg.train.grad_accum_steps} accumulation steps" in result.stdout
+    assert "done: 12 steps" in result.stdout

@@ -1,0 +1,17 @@
+"""The overhead benchmark in its quick mode, so it cannot rot (figures are not asserted)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import TEMPLATE
+
+
+@pytest.mark.slow
+def test_overhead_benchmark_quick_mode_prints_the_ratio_table():
+    result = subprocess.run([sys.executable, str(TEMPLATE / "benchmarks" / "overhead.py"), "--quick"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| fp32 |"))
+    assert re.search(r"\| \d+\.\d{3} \(\d+\.\d{3}-\d+\.\d{3}\) \|", row), row
