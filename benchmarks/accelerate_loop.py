@@ -22,8 +22,9 @@ def main():
     args = parser.parse_args()
     cfg = config.load(args.config, args.overrides)
     torch.set_num_threads(1)
-    accelerator = Accelerator(cpu=True, mixed_precision=PRECISION[cfg.train.precision],
-                              gradient_accumulation_steps=cfg.train.grad_accum_steps)
+    accelerator = Accelerator(
+        cpu=True, mixed_precision=PRECISION[cfg.train.precision], gradient_accumulation_steps=cfg.train.grad_accum_steps
+    )
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)

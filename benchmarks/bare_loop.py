@@ -14,12 +14,57 @@ import torch.nn.functional as F
 from ddp_trainer import config
 from ddp_trainer.data import build_datasets
 from ddp_trainer.model import build_model
+from timing import write_timings
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
-from timing import write_timings
 from torch.utils.data import DataLoader, DistributedSampler
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class BareLoop:
+    def __init__(self, cfg):
+        torch.manual_seed(cfg.run.seed)
+        self.cfg = cfg
+        self.model = DDP(build_model(cfg), bucket_cap_mb=25, gradient_as_bucket_view=True)
+        train_set, _ = build_datasets(cfg)
+        self.sampler = DistributedSampler(train_set, shuffle=True, drop_last=True, seed=cfg.run.seed)
+        self.loader = DataLoader(train_set, batch_size=cfg.data.batch_size, sampler=self.sampler, drop_last=True)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+        )
+        total = cfg.train.max_steps
+        warmup = max(1, total // 100)
+        self.scheduler = SequentialLR(
+            self.optimizer,
+            [LinearLR(self.optimizer, 1 / (warmup + 1), total_iters=warmup), CosineAnnealingLR(self.optimizer, total)],
+            milestones=[warmup],
+        )
+        self.autocast = torch.autocast("cpu", dtype=DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32")
+        self.step = 0
+
+    def run(self, steps: int, step_times: list | None = None) -> None:
+        """`steps` optimizer steps from a fresh pass over the loader."""
+        accum, stop = self.cfg.train.grad_accum_steps, self.step + steps
+        for micro, (inputs, targets) in enumerate(self.loader):
+            last = (micro + 1) % accum == 0
+            with nullcontext() if last else self.model.no_sync():
+                with self.autocast:
+                    loss = F.cross_entropy(self.model(inputs), targets)
+                (loss / accum).backward()
+            if not last:
+                continue
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            self.step += 1
+            if step_times is not None:
+                step_times.append(time.time())
+            if self.step % self.cfg.run.log_every == 0 and dist.get_rank() == 0:
+                print(f"step {self.step} loss {loss.item():.4f}", flush=True)
+            if self.step == stop:
+                return
 
 
 def main():
@@ -30,38 +75,9 @@ def main():
     cfg = config.load(args.config, args.overrides)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(cfg.run.seed)
-    model = DDP(build_model(cfg), bucket_cap_mb=25, gradient_as_bucket_view=True)
-    train_set, _ = build_datasets(cfg)
-    sampler = DistributedSampler(train_set, shuffle=True, drop_last=True, seed=cfg.run.seed)
-    loader = DataLoader(train_set, batch_size=cfg.data.batch_size, sampler=sampler, drop_last=True)
-    accum, steps = cfg.train.grad_accum_steps, cfg.train.max_steps
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    warmup = max(1, steps // 100)
-    scheduler = SequentialLR(optimizer, [LinearLR(optimizer, 1 / (warmup + 1), total_iters=warmup),
-                                         CosineAnnealingLR(optimizer, steps - warmup)], milestones=[warmup])
-    autocast = torch.autocast("cpu", dtype=DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32")
-    step_times, step = [], 0
-    sampler.set_epoch(0)
-    for micro, (inputs, targets) in enumerate(loader):
-        last = (micro + 1) % accum == 0
-        with nullcontext() if last else model.no_sync():
-            with autocast:
-                loss = F.cross_entropy(model(inputs), targets)
-            (loss / accum).backward()
-        if not last:
-            continue
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        step += 1
-        step_times.append(time.time())
-        if step % cfg.run.log_every == 0 and rank == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
-        if step == steps:
-            break
+    loop, step_times = BareLoop(cfg), []
+    loop.sampler.set_epoch(0)
+    loop.run(cfg.train.max_steps, step_times)
     write_timings(step_times)
     dist.barrier()
     dist.destroy_process_group()

@@ -29,8 +29,9 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     model, optimizer = fabric.setup(model, optimizer)
     train_set, _ = build_datasets(cfg)
-    loader = fabric.setup_dataloaders(DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True,
-                                                 drop_last=True))
+    loader = fabric.setup_dataloaders(
+        DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True)
+    )
     accum, steps, step, step_times = cfg.train.grad_accum_steps, cfg.train.max_steps, 0, []
     for micro, (inputs, targets) in enumerate(loader):
         last = (micro + 1) % accum == 0

@@ -1,14 +1,17 @@
 """The generated training loop against a bare, hand-written DDP loop, side by side.
 
-    python benchmarks/overhead.py            # full: fp32, bf16, accumulation 4; 5 interleaved pairs each
-    python benchmarks/overhead.py --quick    # seconds: one setting, one pair (run by the template tests)
+    python benchmarks/overhead.py            # fp32, bf16, accumulation 4; 8 pairs of 200-step chunks, 8 launch pairs
+    python benchmarks/overhead.py --quick    # seconds: one setting, little of each (run by the template tests)
 
-Bakes a default project, then launches A (the project's own `train.main`) and B (the loop in
-bare_loop.py: the same model, data, sampler, optimizer, precision and accumulation, written
-the shortest correct way) alternately, A B A B ..., each with torchrun on 2 CPU processes of
-1 thread. Both record a timestamp after every optimizer step in the same way, so the figures
-are ratios of like with like: steady-state steps/s (after warm-up steps) and the time from
-launch to the first optimizer step. Machines here are noisy: read the medians and spreads.
+Bakes a default project; the bare loop (bare_loop.py) trains the same model on the same data
+with the same sampler, optimizer, schedule, precision, accumulation and clipping, written the
+shortest correct way. Everything runs under torchrun on 2 CPU processes of 1 thread.
+- Steady state: one launch per setting builds both loops and alternates chunks of optimizer
+  steps between them (interleaved.py), so drifts in machine load hit both alike; the ratio is
+  bare chunk time / our chunk time (above 1: ours is faster).
+- Start-up: separate launches, ours (the project's `train.main`) and bare alternately, timed
+  from launch to the first optimizer step.
+Machines here are noisy: read the medians and the spread.
 """
 
 from __future__ import annotations
@@ -38,28 +41,56 @@ def bake(out: Path) -> Path:
     return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out)))
 
 
-LOOPS = {"ours": "timed_train.py", "bare": "bare_loop.py", "fabric": "fabric_loop.py",
-         "accelerate": "accelerate_loop.py"}
+LOOPS = {
+    "ours": "timed_train.py",
+    "bare": "bare_loop.py",
+    "fabric": "fabric_loop.py",
+    "accelerate": "accelerate_loop.py",
+}
 
 
-def launch(project: Path, variant: str, overrides: list[str], out: Path, steps: int,
-           python: str = sys.executable) -> dict:
+def launch(
+    project: Path, variant: str, overrides: list[str], out: Path, steps: int, python: str = sys.executable
+) -> dict:
     """One torchrun job of LOOPS[variant]; returns rank 0's launch time and per-step timestamps."""
     timings = out / f"{variant}-{time.monotonic_ns()}.json"
     script = HERE / LOOPS[variant]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{project / 'src'}{os.pathsep}{HERE}",
-               BENCH_TIMINGS=str(timings), BENCH_LAUNCH=repr(time.time()))
-    command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-               "--config", str(project / "configs" / "default.yaml"), *overrides, *common_overrides(out, steps)]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{project / 'src'}{os.pathsep}{HERE}",
+        BENCH_TIMINGS=str(timings),
+        BENCH_LAUNCH=repr(time.time()),
+    )
+    command = [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        "--config",
+        str(project / "configs" / "default.yaml"),
+        *overrides,
+        *common_overrides(out, steps),
+    ]
     subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, timeout=600)
     return json.loads(timings.read_text())
 
 
 def common_overrides(out: Path, steps: int) -> list[str]:
     # one long epoch (no eval or epoch boundary in the timed window), no checkpoint inside it
-    return [f"run.out_dir={out}", "run.name=bench", f"train.max_steps={steps}", "train.epochs=1",
-            "data.train_samples=200000", "checkpoint.resume=never", f"checkpoint.every_steps={steps}",
-            "data.num_workers=0", "train.sync_batchnorm=false"]
+    return [
+        f"run.out_dir={out}",
+        "run.name=bench",
+        f"train.max_steps={steps}",
+        "train.epochs=1",
+        "data.train_samples=200000",
+        "checkpoint.resume=never",
+        f"checkpoint.every_steps={steps}",
+        "data.num_workers=0",
+        "train.sync_batchnorm=false",
+    ]
 
 
 def summarise(record: dict, warmup: int) -> tuple[float, float]:
@@ -69,53 +100,89 @@ def summarise(record: dict, warmup: int) -> tuple[float, float]:
     return steady, stamps[0] - record["launch"]
 
 
-def measure(project: Path, pairs: int, steps: int, warmup: int, settings: dict) -> list[dict]:
+def steady_state(project: Path, overrides: list[str], out: Path, chunks: int, chunk_steps: int) -> dict:
+    timings = out / f"interleaved-{time.monotonic_ns()}.json"
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{project / 'src'}{os.pathsep}{HERE}", BENCH_TIMINGS=str(timings)
+    )
+    steps = (chunks * 2 + 2) * chunk_steps
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(HERE / "interleaved.py"),
+        "--config",
+        str(project / "configs" / "default.yaml"),
+        "--chunks",
+        str(chunks),
+        "--chunk-steps",
+        str(chunk_steps),
+        *overrides,
+        *common_overrides(out, steps),
+    ]
+    subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1200)
+    return json.loads(timings.read_text())
+
+
+def measure(project: Path, settings: dict, chunks: int, chunk_steps: int, pairs: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name, overrides in settings.items():
-            runs = {"ours": [], "bare": []}
-            for _ in range(pairs):  # interleaved, so drifts in machine load hit both alike
+            chunk = steady_state(project, overrides, Path(scratch), chunks, chunk_steps)
+            ratios = [bare / ours for ours, bare in zip(chunk["ours"], chunk["bare"], strict=True)]
+            startup = {"ours": [], "bare": []}
+            for _ in range(pairs):
                 for variant in ("ours", "bare"):
-                    runs[variant].append(summarise(launch(project, variant, overrides, Path(scratch), steps), warmup))
-            ratios = [a[0] / b[0] for a, b in zip(runs["ours"], runs["bare"], strict=True)]
-            startup = [a[1] / b[1] for a, b in zip(runs["ours"], runs["bare"], strict=True)]
-            rows.append({
-                "setting": name,
-                "ours_steps_per_s": statistics.median(r[0] for r in runs["ours"]),
-                "bare_steps_per_s": statistics.median(r[0] for r in runs["bare"]),
-                "steady_ratio": statistics.median(ratios), "steady_spread": (min(ratios), max(ratios)),
-                "ours_startup_s": statistics.median(r[1] for r in runs["ours"]),
-                "bare_startup_s": statistics.median(r[1] for r in runs["bare"]),
-                "startup_ratio": statistics.median(startup),
-            })
+                    startup[variant].append(summarise(launch(project, variant, overrides, Path(scratch), 3), 0)[1])
+            rows.append(
+                {
+                    "setting": name,
+                    "ours_steps_per_s": chunk_steps / statistics.median(chunk["ours"]),
+                    "bare_steps_per_s": chunk_steps / statistics.median(chunk["bare"]),
+                    "steady_ratio": statistics.median(ratios),
+                    "steady_spread": (min(ratios), max(ratios)),
+                    "ours_startup_s": statistics.median(startup["ours"]),
+                    "bare_startup_s": statistics.median(startup["bare"]),
+                    "startup_ratio": statistics.median(
+                        o / b for o, b in zip(startup["ours"], startup["bare"], strict=True)
+                    ),
+                }
+            )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| setting | ours steps/s | bare steps/s | steady ratio ours/bare (min-max) | "
-             "launch->first step ours / bare | start-up ratio |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | ours steps/s | bare steps/s | steady speed ratio ours/bare (min-max) | "
+        "launch->first step ours / bare | start-up ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         low, high = r["steady_spread"]
-        lines.append(f"| {r['setting']} | {r['ours_steps_per_s']:.1f} | {r['bare_steps_per_s']:.1f} | "
-                     f"{r['steady_ratio']:.3f} ({low:.3f}-{high:.3f}) | {r['ours_startup_s']:.2f} s / "
-                     f"{r['bare_startup_s']:.2f} s | {r['startup_ratio']:.3f} |")
+        lines.append(
+            f"| {r['setting']} | {r['ours_steps_per_s']:.1f} | {r['bare_steps_per_s']:.1f} | "
+            f"{r['steady_ratio']:.3f} ({low:.3f}-{high:.3f}) | {r['ours_startup_s']:.2f} s / "
+            f"{r['bare_startup_s']:.2f} s | {r['startup_ratio']:.3f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one setting, one pair, few steps")
-    parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=330)
+    parser.add_argument("--quick", action="store_true", help="one setting, little of each")
+    parser.add_argument("--chunks", type=int, default=8, help="chunk pairs per setting")
+    parser.add_argument("--chunk-steps", type=int, default=200, help="optimizer steps per chunk")
+    parser.add_argument("--pairs", type=int, default=8, help="launch pairs per setting for start-up")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    pairs, steps, settings = args.pairs, args.steps, SETTINGS
+    settings, chunks, chunk_steps, pairs = SETTINGS, args.chunks, args.chunk_steps, args.pairs
     if args.quick:
-        pairs, steps, settings = 1, 40, {"fp32": SETTINGS["fp32"]}
-    warmup = max(5, steps // 10)
+        settings, chunks, chunk_steps, pairs = {"fp32": SETTINGS["fp32"]}, 2, 10, 1
     with tempfile.TemporaryDirectory() as out:
         project = bake(Path(out))
-        rows = measure(project, pairs, steps, warmup, settings)
+        rows = measure(project, settings, chunks, chunk_steps, pairs)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

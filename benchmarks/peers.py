@@ -32,9 +32,10 @@ def peers_python() -> str:
 
 
 def versions(python: str) -> str:
-    code = "import torch, lightning, accelerate; print(torch.__version__, lightning.__version__, accelerate.__version__)"
-    torch_v, lightning_v, accelerate_v = subprocess.run([python, "-c", code], capture_output=True, text=True,
-                                                        check=True).stdout.split()
+    code = "import torch, lightning, accelerate as a; print(torch.__version__, lightning.__version__, a.__version__)"
+    torch_v, lightning_v, accelerate_v = subprocess.run(
+        [python, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
     return f"torch {torch_v}, lightning {lightning_v}, accelerate {accelerate_v}"
 
 
@@ -58,9 +59,11 @@ def main(argv=None) -> int:
             for name, results in runs.items():
                 steady = [r[0] / o[0] for r, o in zip(results, runs["ours"], strict=True)]
                 startup = [r[1] / o[1] for r, o in zip(results, runs["ours"], strict=True)]
-                print(f"| {setting} | {name} | {statistics.median(r[0] for r in results):.1f} | "
-                      f"{statistics.median(steady):.3f} | {statistics.median(r[1] for r in results):.2f} s | "
-                      f"{statistics.median(startup):.3f} |")
+                print(
+                    f"| {setting} | {name} | {statistics.median(r[0] for r in results):.1f} | "
+                    f"{statistics.median(steady):.3f} | {statistics.median(r[1] for r in results):.2f} s | "
+                    f"{statistics.median(startup):.3f} |"
+                )
     return 0
 
 

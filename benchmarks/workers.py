@@ -51,8 +51,14 @@ def worker_main(num_workers: int, batches: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     dataset = CostlySamples(size=64 * batches * dist.get_world_size(), work=8)
-    loader = DataLoader(dataset, batch_size=32, sampler=DistributedSampler(dataset, drop_last=True),
-                        num_workers=num_workers, persistent_workers=num_workers > 0, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=32,
+        sampler=DistributedSampler(dataset, drop_last=True),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        drop_last=True,
+    )
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     start, seen = None, torch.zeros(1)
@@ -72,8 +78,20 @@ def worker_main(num_workers: int, batches: int, out: str) -> None:
 
 def run(project: Path, num_workers: int, batches: int, scratch: Path) -> float:
     out = scratch / f"rate-{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--worker", str(num_workers), "--batches", str(batches), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        "--worker",
+        str(num_workers),
+        "--batches",
+        str(batches),
+        "--out",
+        str(out),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(project / "src"))
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
     return float(out.read_text())

@@ -18,8 +18,23 @@ MAX_GPUS_PER_NODE = 64
 MAX_NODES = 4096
 # names that would shadow what the project imports or how it is tested
 RESERVED_PACKAGES = {
-    "torch", "torchvision", "torchaudio", "numpy", "yaml", "tqdm", "pytest", "test", "tests",
-    "setuptools", "pip", "cookiecutter", "src", "scripts", "configs", "ruff", "triton",
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "numpy",
+    "yaml",
+    "tqdm",
+    "pytest",
+    "test",
+    "tests",
+    "setuptools",
+    "pip",
+    "cookiecutter",
+    "src",
+    "scripts",
+    "configs",
+    "ruff",
+    "triton",
 }
 MAX_NAME_LENGTH = 32  # generated lines that hold the package name stay within the 120-column lint
 SLUG_PATTERN = re.compile(r"^[a-z][a-z0-9_-]*$")
@@ -28,20 +43,26 @@ PACKAGE_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
 
 def check_slug(slug: str) -> str | None:
     if not SLUG_PATTERN.match(slug):
-        return (f"project_slug {slug!r} is not a valid directory name: use lowercase letters, digits, "
-                f"'-' and '_', starting with a letter (e.g. {_suggest(slug, '-')!r})")
+        return (
+            f"project_slug {slug!r} is not a valid directory name: use lowercase letters, digits, "
+            f"'-' and '_', starting with a letter (e.g. {_suggest(slug, '-')!r})"
+        )
     return None
 
 
 def check_package(name: str) -> str | None:
     if not PACKAGE_PATTERN.match(name):
-        return (f"package_name {name!r} is not a lowercase Python identifier: use letters, digits and '_', "
-                f"starting with a letter (e.g. {_suggest(name, '_')!r})")
+        return (
+            f"package_name {name!r} is not a lowercase Python identifier: use letters, digits and '_', "
+            f"starting with a letter (e.g. {_suggest(name, '_')!r})"
+        )
     if len(name) > MAX_NAME_LENGTH:
         return f"package_name {name!r} is longer than {MAX_NAME_LENGTH} characters: pick a shorter one"
     if keyword.iskeyword(name) or name in RESERVED_PACKAGES or name in sys.stdlib_module_names:
-        return (f"package_name {name!r} would shadow the module of that name "
-                f"(a keyword, stdlib or dependency): pick another, e.g. {name + '_train'!r}")
+        return (
+            f"package_name {name!r} would shadow the module of that name "
+            f"(a keyword, stdlib or dependency): pick another, e.g. {name + '_train'!r}"
+        )
     return None
 
 
@@ -77,8 +98,10 @@ def validate(answers: dict) -> tuple[list[str], list[str]]:
         if total_gpus == 1:
             warnings.append("sync_batchnorm with 1 GPU in total has nothing to synchronise: it will be off")
         if int(answers["per_device_batch_size"]) < 8:
-            warnings.append("sync_batchnorm with a per-device batch below 8 gives noisy statistics: "
-                            "prefer model.norm=layer (LayerNorm) for such small batches")
+            warnings.append(
+                "sync_batchnorm with a per-device batch below 8 gives noisy statistics: "
+                "prefer model.norm=layer (LayerNorm) for such small batches"
+            )
     return errors, warnings
 
 

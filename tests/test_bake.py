@@ -10,16 +10,43 @@ import yaml
 from conftest import BIN, TEMPLATE, bake, bake_cli
 
 COMMON_FILES = {
-    ".gitignore", ".pre-commit-config.yaml", "README.md", "pyproject.toml",
-    "configs/default.yaml", "configs/smoke.yaml",
-    "scripts/common.sh", "scripts/smoke.sh", "scripts/train.sh", "scripts/train_multinode.sh",
-    "tests/broken_smoke.py", "tests/conftest.py", "tests/dist_proofs.py", "tests/faulty_train.py",
-    "tests/helpers.py", "tests/test_config.py", "tests/test_data.py", "tests/test_distributed.py",
-    "tests/test_faults.py", "tests/test_launchers.py", "tests/test_metrics.py", "tests/test_optim.py",
+    ".gitignore",
+    ".pre-commit-config.yaml",
+    "README.md",
+    "pyproject.toml",
+    "configs/default.yaml",
+    "configs/smoke.yaml",
+    "scripts/common.sh",
+    "scripts/smoke.sh",
+    "scripts/train.sh",
+    "scripts/train_multinode.sh",
+    "tests/broken_smoke.py",
+    "tests/conftest.py",
+    "tests/dist_proofs.py",
+    "tests/faulty_train.py",
+    "tests/helpers.py",
+    "tests/test_config.py",
+    "tests/test_data.py",
+    "tests/test_distributed.py",
+    "tests/test_faults.py",
+    "tests/test_launchers.py",
+    "tests/test_metrics.py",
+    "tests/test_optim.py",
     "tests/test_train.py",
 }
-PACKAGE_FILES = {"__init__.py", "checkpoint.py", "config.py", "data.py", "diagnose.py", "dist.py", "metrics.py",
-                 "model.py", "optim.py", "smoke.py", "train.py"}
+PACKAGE_FILES = {
+    "__init__.py",
+    "checkpoint.py",
+    "config.py",
+    "data.py",
+    "diagnose.py",
+    "dist.py",
+    "metrics.py",
+    "model.py",
+    "optim.py",
+    "smoke.py",
+    "train.py",
+}
 SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
 
 SUPPORTED = [
@@ -68,8 +95,12 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
             assert script.stat().st_mode & stat.S_IXUSR
     lint = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", str(project)], capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout
-    fmt = subprocess.run([str(BIN / "ruff"), "format", "--check", "--no-cache", str(project)], capture_output=True,
-                         text=True, cwd=project)
+    fmt = subprocess.run(
+        [str(BIN / "ruff"), "format", "--check", "--no-cache", str(project)],
+        capture_output=True,
+        text=True,
+        cwd=project,
+    )
     assert fmt.returncode == 0, fmt.stdout
 
 
@@ -79,12 +110,17 @@ def test_no_jinja_control_blocks_in_python_files():
 
 
 def test_cli_answers_land_in_the_config(tmp_path):
-    result = bake_cli(tmp_path, "precision=fp16", "grad_accum_steps=4", "sync_batchnorm=false", "compile=true",
-                      "slurm=false")
+    result = bake_cli(
+        tmp_path, "precision=fp16", "grad_accum_steps=4", "sync_batchnorm=false", "compile=true", "slurm=false"
+    )
     assert result.returncode == 0, result.stderr
     train = yaml.safe_load((tmp_path / "ddp-trainer" / "configs" / "default.yaml").read_text())["train"]
     assert (train["precision"], train["grad_accum_steps"], train["sync_batchnorm"], train["compile"]) == (
-        "fp16", 4, False, True)
+        "fp16",
+        4,
+        False,
+        True,
+    )
     assert not (tmp_path / "ddp-trainer" / "scripts" / "train.sbatch").exists()
     assert "global batch on 8 GPU(s): 32 x 8 x 4 = 1024" in result.stdout
 
@@ -123,8 +159,13 @@ def test_replay_reproduces_a_project(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path))
     args = [str(BIN / "cookiecutter"), str(TEMPLATE), "--no-input", "precision=fp32", "-o", str(tmp_path / "b")]
     assert subprocess.run(args, env=env, capture_output=True, timeout=60).returncode == 0
-    replayed = subprocess.run([str(BIN / "cookiecutter"), str(TEMPLATE), "--replay", "-o", str(tmp_path / "c")],
-                              env=env, capture_output=True, text=True, timeout=60)
+    replayed = subprocess.run(
+        [str(BIN / "cookiecutter"), str(TEMPLATE), "--replay", "-o", str(tmp_path / "c")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert replayed.returncode == 0, replayed.stderr
     configs = [(tmp_path / d / "ddp-trainer" / "configs" / "default.yaml").read_text() for d in ("b", "c")]
     assert configs[0] == configs[1] and "precision: fp32" in configs[1]

@@ -10,8 +10,12 @@ from conftest import TEMPLATE
 
 @pytest.mark.slow
 def test_overhead_benchmark_quick_mode_prints_the_ratio_table():
-    result = subprocess.run([sys.executable, str(TEMPLATE / "benchmarks" / "overhead.py"), "--quick"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(TEMPLATE / "benchmarks" / "overhead.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     row = next(line for line in result.stdout.splitlines() if line.startswith("| fp32 |"))
     assert re.search(r"\| \d+\.\d{3} \(\d+\.\d{3}-\d+\.\d{3}\) \|", row), row

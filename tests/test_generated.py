@@ -18,8 +18,13 @@ REPRESENTATIVE = {
 @pytest.mark.parametrize("answers", REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
 def test_generated_project_passes_its_own_tests(tmp_path, answers):
     project = bake(tmp_path, **answers)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=project,
-                            capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     print(f"{project.name} {answers}: {summary}")
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
@@ -29,10 +34,17 @@ def test_generated_project_passes_its_own_tests(tmp_path, answers):
 @pytest.mark.slow
 def test_pre_commit_passes_in_a_fresh_project(tmp_path):
     project = bake(tmp_path / "out")
-    env = dict(os.environ, PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"),
-               PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env = dict(
+        os.environ, PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"
+    )
     for command in (["git", "init", "-q"], ["git", "add", "-A"]):
         subprocess.run(command, cwd=project, check=True, env=env)
-    result = subprocess.run([str(BIN / "pre-commit"), "run", "--all-files"], cwd=project, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [str(BIN / "pre-commit"), "run", "--all-files"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

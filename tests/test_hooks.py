@@ -8,9 +8,18 @@ pre = load_hook("pre_gen_project")
 post = load_hook("post_gen_project")
 
 DEFAULTS = {
-    "project_name": "DDP Trainer", "project_slug": "ddp-trainer", "package_name": "ddp_trainer",
-    "gpus_per_node": "8", "num_nodes": "1", "precision": "bf16", "sync_batchnorm": True, "compile": False,
-    "grad_accum_steps": "1", "per_device_batch_size": "32", "slurm": True, "license": "MIT",
+    "project_name": "DDP Trainer",
+    "project_slug": "ddp-trainer",
+    "package_name": "ddp_trainer",
+    "gpus_per_node": "8",
+    "num_nodes": "1",
+    "precision": "bf16",
+    "sync_batchnorm": True,
+    "compile": False,
+    "grad_accum_steps": "1",
+    "per_device_batch_size": "32",
+    "slurm": True,
+    "license": "MIT",
 }
 
 
@@ -83,7 +92,7 @@ def test_set_yaml_values_keeps_comments_and_columns():
     assert len(old_lines) == len(new_lines)
     for old, line in zip(old_lines, new_lines, strict=True):
         if "#" in old and "#" in line:
-            assert old[old.index("#"):] == line[line.index("#"):]
+            assert old[old.index("#") :] == line[line.index("#") :]
     changed = [line for old, line in zip(old_lines, new_lines, strict=True) if old != line]
     assert changed == [
         "  batch_size: 64         # per device; global = batch_size x world size x grad_accum_steps",

@@ -51,31 +51,45 @@ def real_sample_mask(first_position: int, batch_size: int, info: DistInfo, datas
 class TrainingLog:
     """Loss, throughput and data-wait share over each logging window, exact across ranks.
 
+    `record()` runs every micro-batch, so it costs one device add and no host sync.
     `flush()` is the loop's one regular collective: it also carries the stop request, so
     every rank learns of a preemption or a non-finite loss at the same step.
     """
 
     def __init__(self, info: DistInfo, jsonl_path, total_steps: int):
         self.info = info
-        self.totals = Totals(("loss", "samples", "data_wait", "stop"), info.device)
         self.jsonl_path = Path(jsonl_path)
         if info.is_main:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self.window_start = time.perf_counter()
         self.bar = tqdm(total=total_steps, disable=not (info.is_main and sys.stderr.isatty()), dynamic_ncols=True)
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        self.micro_batches, self.samples, self.data_wait = 0, 0, 0.0
+        self.window_start = time.perf_counter()
+
+    def record(self, loss: torch.Tensor, batch_size: int, data_wait: float) -> None:
+        # micro-batches are equal-sized (drop_last), so the mean of their means is the sample mean
+        self.loss_sum += loss.detach()
+        self.micro_batches += 1
+        self.samples += batch_size
+        self.data_wait += data_wait
 
     def flush(self, step: int, epoch: int, lr: float, stop_requested: bool) -> dict:
-        self.totals.add(stop=float(stop_requested))
-        sums = self.totals.reduced()
+        host = torch.tensor([self.micro_batches, self.samples, self.data_wait, float(stop_requested)],
+                            dtype=torch.float64)
+        sums = all_reduce_sum(torch.cat([self.loss_sum.view(1), host.to(self.info.device)])).tolist()
+        loss_sum, micro_batches, samples, data_wait, stops = sums
         elapsed = time.perf_counter() - self.window_start
         record = {
             "step": step,
             "epoch": epoch,
-            "loss": sums["loss"] / max(sums["samples"], 1),
+            "loss": loss_sum / max(micro_batches, 1),
             "lr": lr,
-            "samples_per_s": sums["samples"] / elapsed,
-            "data_wait_share": sums["data_wait"] / (elapsed * self.info.world_size),
-            "stop": sums["stop"] > 0,
+            "samples_per_s": samples / elapsed,
+            "data_wait_share": data_wait / (elapsed * self.info.world_size),
+            "stop": stops > 0,
         }
         self.write(record)
         self.bar.update(step - self.bar.n)
@@ -86,8 +100,7 @@ class TrainingLog:
                 f"{record['samples_per_s']:.0f} samples/s | data wait {record['data_wait_share']:.0%}",
                 flush=True,
             )
-        self.totals.reset()
-        self.window_start = time.perf_counter()
+        self.reset()
         return record
 
     def write(self, record: dict) -> None:

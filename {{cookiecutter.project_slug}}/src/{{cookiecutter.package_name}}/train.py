@@ -194,7 +194,7 @@ def train_one_epoch(
     for micro_step in range(len(loader) - len(loader) % accum):  # drop a partial accumulation
         wait_start = time.perf_counter()
         inputs, targets = next(batches)
-        log.totals.add(data_wait=time.perf_counter() - wait_start)
+        data_wait = time.perf_counter() - wait_start
         inputs = inputs.to(info.device, non_blocking=True)  # async with pinned memory (P18)
         targets = targets.to(info.device, non_blocking=True)
         syncs = (micro_step + 1) % accum == 0
@@ -203,7 +203,7 @@ def train_one_epoch(
             with autocast:
                 loss = F.cross_entropy(model(inputs), targets)
             state.scaler.scale(loss / accum).backward()
-        log.totals.add(loss=loss.detach() * len(targets), samples=len(targets))
+        log.record(loss, len(targets), data_wait)
         state.batch_in_epoch += 1
         if not syncs:
             continue

@@ -1,0 +1,66 @@
+"""Steady-state speed of the generated loop and the bare loop, alternating in the same processes.
+
+Run by overhead.py under torchrun. Both loops are built once; then chunks of optimizer steps
+alternate (ours, bare, bare, ours, ...), each timed between barriers, so drifts in machine
+load hit both alike. Rank 0 writes the chunk times to $BENCH_TIMINGS.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch.distributed as torch_dist
+from bare_loop import BareLoop
+from ddp_trainer import config, dist, train
+from ddp_trainer.dist import DistInfo
+from ddp_trainer.metrics import TrainingLog
+
+
+class NeverPreempted:
+    requested = False
+
+
+def timed(run) -> float:
+    torch_dist.barrier()
+    start = time.perf_counter()
+    run()
+    torch_dist.barrier()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    parser.add_argument("--chunks", type=int, default=10)
+    parser.add_argument("--chunk-steps", type=int, default=40)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = config.load(args.config, args.overrides)
+    info = DistInfo.from_env()
+    dist.init(info, cfg.dist.timeout_minutes)
+    job = train.build(cfg, info)  # sets the threads per rank (1 here) as a real run does
+    bare = BareLoop(cfg)
+    log = TrainingLog(info, cfg.run_dir / "metrics.jsonl", cfg.train.max_steps)
+
+    def ours():
+        stop = job.state.step + args.chunk_steps
+        train.train_one_epoch(job.state, job.model, job.train_loader, cfg, info, log, NeverPreempted(), stop)
+
+    def baseline():
+        bare.run(args.chunk_steps)
+
+    ours(), baseline()  # warm-up: first-call costs are start-up, not steady state
+    times = {"ours": [], "bare": []}
+    for chunk in range(args.chunks):
+        order = (("ours", ours), ("bare", baseline)) if chunk % 2 == 0 else (("bare", baseline), ("ours", ours))
+        for name, run in order:
+            times[name].append(timed(run))
+    if info.is_main:
+        with open(os.environ["BENCH_TIMINGS"], "w") as f:
+            json.dump({"chunk_steps": args.chunk_steps, **times}, f)
+    dist.teardown(info)
+
+
+if __name__ == "__main__":
+    main()
