@@ -4,17 +4,15 @@ Same model, data, sampler, optimizer, schedule, precision, accumulation and clip
 project (it reads the same config file); none of the project's training code.
 """
 
-import argparse
 import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ddp_trainer import config
 from ddp_trainer.data import build_datasets
 from ddp_trainer.model import build_model
-from timing import write_timings
+from timing import load_settings, write_timings
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from torch.utils.data import DataLoader, DistributedSampler
@@ -68,12 +66,7 @@ class BareLoop:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    cfg = config.load(args.config, args.overrides)
-    torch.set_num_threads(1)
+    cfg = load_settings()
     dist.init_process_group("gloo")
     loop, step_times = BareLoop(cfg), []
     loop.sampler.set_epoch(0)

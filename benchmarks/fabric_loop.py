@@ -1,28 +1,28 @@
 """The same job in Lightning Fabric (model, data, optimizer, precision, accumulation, clipping)."""
 
-import argparse
-import time
+import os
 
 import torch
 import torch.nn.functional as F
-from ddp_trainer import config
 from ddp_trainer.data import build_datasets
 from ddp_trainer.model import build_model
 from lightning.fabric import Fabric
-from timing import write_timings
+from timing import StepClock, load_settings, write_timings
 from torch.utils.data import DataLoader
 
 PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    cfg = config.load(args.config, args.overrides)
-    torch.set_num_threads(1)
-    fabric = Fabric(accelerator="cpu", strategy="ddp", precision=PRECISION[cfg.train.precision])
+    cfg = load_settings()
+    processes = int(os.environ["LOCAL_WORLD_SIZE"])  # torchrun's; Fabric checks it against devices x nodes
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=processes,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // processes,
+        strategy="ddp",
+        precision=PRECISION[cfg.train.precision],
+    )
     fabric.launch()
     fabric.seed_everything(cfg.run.seed)
     model = build_model(cfg)
@@ -32,7 +32,7 @@ def main():
     loader = fabric.setup_dataloaders(
         DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True)
     )
-    accum, steps, step, step_times = cfg.train.grad_accum_steps, cfg.train.max_steps, 0, []
+    accum, clock = cfg.train.grad_accum_steps, StepClock(cfg, fabric.print)
     for micro, (inputs, targets) in enumerate(loader):
         last = (micro + 1) % accum == 0
         with fabric.no_backward_sync(model, enabled=not last):
@@ -43,13 +43,9 @@ def main():
         fabric.clip_gradients(model, optimizer, max_norm=cfg.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-        step_times.append(time.time())
-        if step % cfg.run.log_every == 0:
-            fabric.print(f"step {step} loss {loss.item():.4f}")
-        if step == steps:
+        if clock.tick(loss):
             break
-    write_timings(step_times)
+    write_timings(clock.times)
     fabric.barrier()
 
 

@@ -2,7 +2,7 @@
 
 Run by overhead.py under torchrun. Both loops are built once; then chunks of optimizer steps
 alternate (ours, bare, bare, ours, ...), each timed between barriers, so drifts in machine
-load hit both alike. Rank 0 writes the chunk times to $BENCH_TIMINGS.
+load hit both alike. Rank 0 writes the chunk times (wall, CPU) to $BENCH_TIMINGS.
 """
 
 import argparse
@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+import torch
 import torch.distributed as torch_dist
 from bare_loop import BareLoop
 from ddp_trainer import config, dist, train
@@ -21,12 +22,20 @@ class NeverPreempted:
     requested = False
 
 
-def timed(run) -> float:
+def timed(run) -> tuple[float, float]:
+    """(wall seconds, CPU seconds summed over ranks) of one chunk.
+
+    CPU time is what a loop's own overhead costs; unlike wall time it barely moves when a
+    busy machine takes the processor away from a rank for a while.
+    """
     torch_dist.barrier()
-    start = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     run()
+    cpu = torch.tensor([time.process_time() - cpu])
     torch_dist.barrier()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - wall
+    torch_dist.all_reduce(cpu)
+    return wall, cpu.item()
 
 
 def main():
