@@ -35,6 +35,11 @@ SETTINGS = {
 }
 
 
+def torchrun(script: Path | str, *args: str, python: str = sys.executable) -> list[str]:
+    """The command line of a job of 2 CPU processes."""
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args]
+
+
 def bake(out: Path) -> Path:
     from cookiecutter.main import cookiecutter
 
@@ -62,18 +67,14 @@ def launch(
         BENCH_TIMINGS=str(timings),
         BENCH_LAUNCH=repr(time.time()),
     )
-    command = [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(script),
+    command = torchrun(
+        script,
         "--config",
         str(project / "configs" / "default.yaml"),
         *overrides,
         *common_overrides(out, steps),
-    ]
+        python=python,
+    )
     subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, timeout=600)
     return json.loads(timings.read_text())
 
@@ -106,13 +107,8 @@ def steady_state(project: Path, overrides: list[str], out: Path, chunks: int, ch
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{project / 'src'}{os.pathsep}{HERE}", BENCH_TIMINGS=str(timings)
     )
     steps = (chunks * 2 + 2) * chunk_steps
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(HERE / "interleaved.py"),
+    command = torchrun(
+        HERE / "interleaved.py",
         "--config",
         str(project / "configs" / "default.yaml"),
         "--chunks",
@@ -121,7 +117,7 @@ def steady_state(project: Path, overrides: list[str], out: Path, chunks: int, ch
         str(chunk_steps),
         *overrides,
         *common_overrides(out, steps),
-    ]
+    )
     subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1200)
     return json.loads(timings.read_text())
 

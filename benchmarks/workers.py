@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from overhead import bake, torchrun
 
 
 class CostlySamples:
@@ -78,12 +78,7 @@ def worker_main(num_workers: int, batches: int, out: str) -> None:
 
 def run(project: Path, num_workers: int, batches: int, scratch: Path) -> float:
     out = scratch / f"rate-{time.monotonic_ns()}"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
+    command = torchrun(
         __file__,
         "--worker",
         str(num_workers),
@@ -91,7 +86,7 @@ def run(project: Path, num_workers: int, batches: int, scratch: Path) -> float:
         str(batches),
         "--out",
         str(out),
-    ]
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(project / "src"))
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, timeout=900)
     return float(out.read_text())
@@ -108,7 +103,6 @@ def main(argv=None) -> int:
     if args.worker is not None:
         worker_main(args.worker, args.batches, args.out)
         return 0
-    from overhead import bake
 
     with tempfile.TemporaryDirectory() as scratch:
         project = bake(Path(scratch))
