@@ -27,6 +27,7 @@ COMMON_FILES = {
     "tests/helpers.py",
     "tests/test_config.py",
     "tests/test_data.py",
+    "tests/test_dist.py",
     "tests/test_distributed.py",
     "tests/test_faults.py",
     "tests/test_launchers.py",

@@ -42,6 +42,13 @@ def test_samplers_and_loader_settings():
     assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 2
 
 
+def test_cuda_loaders_pin_memory_for_non_blocking_copies():
+    cfg = config.load(SMOKE_CONFIG)
+    cuda_info = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")
+    train, evaluation = data.build_loaders(cfg, cuda_info, 0)  # P18: pinned pages make .to(non_blocking) async
+    assert train.pin_memory and evaluation.pin_memory
+
+
 def epoch_order(loader, epoch):
     loader.sampler.set_epoch(epoch)
     return list(loader.sampler)

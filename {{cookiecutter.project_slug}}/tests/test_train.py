@@ -7,6 +7,7 @@ import torch
 from conftest import (
     PACKAGE,
     PROJECT,
+    SMOKE_CONFIG,
     needs_cuda,
     needs_two_gpus,
     project_env,
@@ -37,6 +38,7 @@ def test_two_process_run_trains_and_reports(tmp_path):
     ):
         assert line in out
     assert out.count("world size") == 1  # printed by rank 0 only
+    assert "note: train.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out  # P12 on CPU
     losses = train_losses(tmp_path / "e2e")
     assert losses[-1] < 0.5 * losses[0]
     evals = [r for r in read_metrics(tmp_path / "e2e") if "eval_accuracy" in r]
@@ -123,9 +125,34 @@ def test_fp16_grad_scaler_on_cuda(tmp_path):
 def test_the_generated_default_config_trains(tmp_path):
     """configs/default.yaml holds the prompted precision, accumulation, compile and SyncBN choices."""
     default = PROJECT / "configs" / "default.yaml"
-    result = torchrun("-m", f"{PACKAGE}.train", "--config", str(default), f"run.out_dir={tmp_path}",
-                      "data.train_samples=2048", "train.max_steps=12", "run.log_every=4", timeout=600)
+    result = torchrun(
+        "-m",
+        f"{PACKAGE}.train",
+        "--config",
+        str(default),
+        f"run.out_dir={tmp_path}",
+        "data.train_samples=2048",
+        "train.max_steps=12",
+        "run.log_every=4",
+        timeout=600,
+    )
     cfg = config.load(default)
     assert f"precision {cfg.train.precision}, compile {cfg.train.compile}" in result.stdout
     assert f"x {cfg.train.grad_accum_steps} accumulation steps" in result.stdout
     assert "done: 12 steps" in result.stdout
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_cudnn_benchmark_follows_the_config(flag):
+    cfg = config.load(SMOKE_CONFIG, [f"train.cudnn_benchmark={str(flag).lower()}"])
+    train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
+    assert torch.backends.cudnn.benchmark is flag
+
+
+def test_optimizer_step_frees_the_gradients():
+    cfg = config.load(SMOKE_CONFIG)
+    job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
+    inputs, targets = next(iter(job.train_loader))
+    torch.nn.functional.cross_entropy(job.model(inputs), targets).backward()
+    train.optimizer_step(job.state, cfg)
+    assert all(p.grad is None for p in job.state.model.parameters())  # set_to_none=True (P17)

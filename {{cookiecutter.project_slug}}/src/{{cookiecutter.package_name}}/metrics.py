@@ -77,8 +77,9 @@ class TrainingLog:
         self.data_wait += data_wait
 
     def flush(self, step: int, epoch: int, lr: float, stop_requested: bool) -> dict:
-        host = torch.tensor([self.micro_batches, self.samples, self.data_wait, float(stop_requested)],
-                            dtype=torch.float64)
+        host = torch.tensor(
+            [self.micro_batches, self.samples, self.data_wait, float(stop_requested)], dtype=torch.float64
+        )
         sums = all_reduce_sum(torch.cat([self.loss_sum.view(1), host.to(self.info.device)])).tolist()
         loss_sum, micro_batches, samples, data_wait, stops = sums
         elapsed = time.perf_counter() - self.window_start
