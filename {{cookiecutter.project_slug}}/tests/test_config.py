@@ -1,9 +1,11 @@
 import dataclasses
 import re
+import socket
+import sys
 
 import pytest
 import yaml
-from conftest import PROJECT, SMOKE_CONFIG, run, torchrun, train_args
+from conftest import PROJECT, SMOKE_CONFIG, project_env, run, train_args
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.config import ConfigError
@@ -76,6 +78,14 @@ def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path):
 
 
 def test_every_rank_fails_on_a_bad_override_before_any_collective(tmp_path):
-    result = torchrun(*train_args(tmp_path, "data.batch_size=-3"), check=False, timeout=60)
-    assert result.returncode != 0
-    assert result.stderr.count("config error: data.batch_size: -3 must be at least 1") == 2  # one per rank
+    # each rank of a world of 2 starts alone: joining the group would wait for the missing
+    # peer, so exiting at once with the message shows the check runs before any collective
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    for rank in ("0", "1"):
+        env = project_env(RANK=rank, LOCAL_RANK=rank, **world)
+        result = run([sys.executable, *train_args(tmp_path, "data.batch_size=-3")], env=env, timeout=60, check=False)
+        assert result.returncode == 2
+        assert "config error: data.batch_size: -3 must be at least 1" in result.stderr
