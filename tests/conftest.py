@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from cookiecutter.main import cookiecutter
 
 TEMPLATE = Path(__file__).resolve().parents[1]
@@ -24,8 +23,7 @@ def load_hook(name: str):
 
 def bake(output_dir: Path, **answers) -> Path:
     """Generate a project without prompts; returns its directory."""
-    context = {key: value for key, value in answers.items()}
-    return Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=context, output_dir=str(output_dir)))
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=answers, output_dir=str(output_dir)))
 
 
 def bake_cli(output_dir: Path, *answers: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -34,8 +32,3 @@ def bake_cli(output_dir: Path, *answers: str, stdin: str | None = None) -> subpr
     if stdin is None:
         args.append("--no-input")
     return subprocess.run([*args, *answers], input=stdin, capture_output=True, text=True, timeout=60)
-
-
-@pytest.fixture(scope="session")
-def default_project(tmp_path_factory) -> Path:
-    return bake(tmp_path_factory.mktemp("default"))
