@@ -14,8 +14,17 @@ import torch
 PROJECT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package_name }}"
 SMOKE_CONFIG = str(PROJECT / "configs" / "smoke.yaml")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def needs_gpus(count: int):
+    """Mark a test `gpu` (select with -m gpu) and skip it, saying why, where GPUs are missing."""
+    visible = torch.cuda.device_count()
+    skip = pytest.mark.skipif(visible < count, reason=f"needs {count} CUDA GPU(s); this machine has {visible}")
+    return lambda test: pytest.mark.gpu(skip(test))
+
+
+needs_cuda = needs_gpus(1)
+needs_two_gpus = needs_gpus(2)
 
 
 def project_env(**extra: str) -> dict:
