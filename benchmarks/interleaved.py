@@ -13,13 +13,9 @@ import time
 import torch
 import torch.distributed as torch_dist
 from bare_loop import BareLoop
-from ddp_trainer import config, dist, train
+from ddp_trainer import checkpoint, config, dist, train
 from ddp_trainer.dist import DistInfo
 from ddp_trainer.metrics import TrainingLog
-
-
-class NeverPreempted:
-    requested = False
 
 
 def timed(run) -> tuple[float, float]:
@@ -51,10 +47,11 @@ def main():
     job = train.build(cfg, info)  # sets the threads per rank (1 here) as a real run does
     bare = BareLoop(cfg)
     log = TrainingLog(info, cfg.run_dir / "metrics.jsonl", cfg.train.max_steps)
+    never_preempted = checkpoint.PreemptionFlag(signals=())
 
     def ours():
         stop = job.state.step + args.chunk_steps
-        train.train_one_epoch(job.state, job.model, job.train_loader, cfg, info, log, NeverPreempted(), stop)
+        train.train_one_epoch(job.state, job.model, job.train_loader, cfg, info, log, never_preempted, stop)
 
     def baseline():
         bare.run(args.chunk_steps)

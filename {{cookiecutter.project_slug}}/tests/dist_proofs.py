@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import config, data, dist, optim, train
+from {{ cookiecutter.package_name }} import checkpoint, config, data, dist, optim, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import build_model
 
@@ -90,7 +90,7 @@ def prove_ddp_equals_big_batch(out: Path, info: DistInfo, accum: int, steps: int
     job = train.build(cfg, info)
     counter = SyncCounter()
     job.model.register_comm_hook(counter, counting_hook)
-    train.fit(job, cfg, info, preemption=type("Never", (), {"requested": False})())
+    train.fit(job, cfg, info, preemption=checkpoint.PreemptionFlag(signals=()))
     reference = single_process_reference(cfg, info.world_size, steps)
     return {
         "max_difference": max_difference(job.state.model, reference),
