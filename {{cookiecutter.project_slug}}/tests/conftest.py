@@ -14,6 +14,29 @@ import torch
 PROJECT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package_name }}"
 SMOKE_CONFIG = str(PROJECT / "configs" / "smoke.yaml")
+# The example task at test size: 2048 training samples make 64 steps an epoch on 2 ranks, and
+# 509 eval samples (a prime) cannot be split evenly by any world size, so padding is exercised.
+TINY = (
+    "dataset.train_samples=2048",
+    "dataset.eval_samples=509",
+    "dataset.num_features=16",
+    "model.hidden=64",
+    "train.max_steps=null",
+    "train.epochs=2",
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the slow tier: fault drills, launchers, swaps")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow tier: run `python -m pytest --slow` to include it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def needs_gpus(count: int):
@@ -62,8 +85,9 @@ def torchrun(*args: str, nproc: int = 2, launcher: tuple[str, ...] = (), **kwarg
 
 
 def train_args(out_dir: Path, *overrides: str, module: str = f"{PACKAGE}.train") -> list[str]:
-    """`-m <module> --config smoke.yaml` with the run kept under a test's temporary directory."""
-    return ["-m", module, "--config", SMOKE_CONFIG, f"run.out_dir={out_dir}", *overrides]
+    """`-m <module> --config smoke.yaml` on the TINY example task, with the run kept under a
+    test's temporary directory."""
+    return ["-m", module, "--config", SMOKE_CONFIG, *TINY, f"run.out_dir={out_dir}", *overrides]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,69 +1,88 @@
 """Proofs of the distributed maths, run under torchrun (2 ranks on CPU/gloo in the tests).
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_proofs.py OUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/dist_proofs.py OUT_DIR [--only eval] [section.key=value ...]
 
-Each proof uses the project's own code for the distributed side and a plain single-process
-loop, written here by hand, as the reference. Rank 0 writes OUT_DIR/proofs.json; the pytest
-tests in test_distributed.py assert on it, one test per practice.
+Each proof uses the project's own loop for the distributed side and, as the reference, one
+plain process written here by hand. Both see the task only through its seam (task.py), so
+the proofs hold for whatever model, data and loss the project trains. Rank 0 writes
+OUT_DIR/proofs-<world size>.json; test_distributed.py asserts on it, one test per practice.
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import checkpoint, config, data, dist, optim, train
+from {{ cookiecutter.package_name }} import checkpoint, config, dist, loaders, optim, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.model import build_model
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-EXACT_MATHS = ["model.norm=layer", "train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0"]
+EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
 
 
 class SyncCounter:
-    syncs = 0
-    buckets = 0
+    """Bucket all-reduces seen by DDP's comm hook, grouped by the backward pass that sent them."""
+
+    def __init__(self):
+        self.pending = 0
+        self.buckets_per_sync: list[int] = []
 
 
 def counting_hook(counter: SyncCounter, bucket):
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    counter.buckets += 1
-    counter.syncs += bucket.is_last()
+    counter.pending += 1
+    if bucket.is_last():
+        counter.buckets_per_sync.append(counter.pending)
+        counter.pending = 0
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def single_process_reference(cfg, world_size: int, steps: int) -> torch.nn.Module:
-    """What DDP must equal: one process, one batch of world x accum x per-device samples a step."""
-    dist.seed_everything(cfg.run.seed)
-    model = build_model(cfg)
-    train_set, _ = data.build_datasets(cfg)
-    global_batch = cfg.data.batch_size * world_size * cfg.train.grad_accum_steps
-    optimizer = optim.build_optimizer(model, cfg.train.lr, cfg.train.weight_decay)
+def rank_shards(train_set, cfg, world_size: int) -> list[list[int]]:
+    """The sample indices each rank's sampler yields in epoch 0."""
     shards = []
     for rank in range(world_size):
-        sampler = data.ResumableSampler(
+        sampler = loaders.ResumableSampler(
             train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.run.seed, drop_last=True
         )
         sampler.set_epoch(0)
         shards.append(list(sampler))
-    per_rank = cfg.data.batch_size * cfg.train.grad_accum_steps
+    return shards
+
+
+def reference_gradients(model, batches) -> None:
+    """One process: the summed loss of every batch divided once by all their loss terms.
+
+    Each batch is a forward pass of its own (as on its rank), so BatchNorm sees the same
+    samples together as in the distributed run.
+    """
+    terms = sum(float(task.count_terms(batch)) for batch in batches)
+    loss = sum(task.loss_sum(model, batch) for batch in batches) / terms
+    loss.backward()
+
+
+def single_process_reference(cfg, world_size: int, steps: int) -> torch.nn.Module:
+    """What DDP must equal: one process stepping on world x accum x per-device samples a step."""
+    dist.seed_everything(cfg.run.seed)
+    model = task.build_model(cfg)
+    train_set, eval_set = task.build_datasets(cfg)
+    collate = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[0].collate_fn
+    global_batch = cfg.data.batch_size * world_size * cfg.train.grad_accum_steps
+    optimizer = optim.build_optimizer(model, cfg.train.lr, cfg.train.weight_decay)
+    shards = rank_shards(train_set, cfg, world_size)
+    per_rank, batch = cfg.data.batch_size * cfg.train.grad_accum_steps, cfg.data.batch_size
     total = min(cfg.train.max_steps, len(shards[0]) // per_rank)
-    scheduler = optim.build_scheduler(
-        optimizer,
-        cfg.train,
-        total,
-        optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size),
-    )
+    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)
+    scheduler = optim.build_scheduler(optimizer, cfg.train, total, warmup)
+    model.train()
     for step in range(steps):
-        indices = [i for shard in shards for i in shard[step * per_rank : (step + 1) * per_rank]]
-        inputs, targets = train_set.inputs[indices], train_set.targets[indices]
-        F.cross_entropy(model(inputs), targets).backward()
+        step_indices = [shard[step * per_rank : (step + 1) * per_rank] for shard in shards]
+        chunks = [indices[i : i + batch] for indices in step_indices for i in range(0, per_rank, batch)]
+        reference_gradients(model, [collate([train_set[i] for i in chunk]) for chunk in chunks])
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -71,47 +90,73 @@ def single_process_reference(cfg, world_size: int, steps: int) -> torch.nn.Modul
     return model
 
 
+def world_of_one() -> DistInfo:
+    return DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+
+
 def max_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
-def prove_ddp_equals_big_batch(out: Path, info: DistInfo, accum: int, steps: int) -> dict:
-    cfg = config.load(
-        SMOKE,
-        [
-            *EXACT_MATHS,
-            f"run.out_dir={out}",
-            f"run.name=accum{accum}",
-            f"train.grad_accum_steps={accum}",
-            f"train.max_steps={steps}",
-            "checkpoint.resume=never",
-        ],
+def exact_config(out: Path, overrides: list[str], *extra: str):
+    return config.load(SMOKE, [*EXACT_MATHS, *overrides, f"run.out_dir={out}", "checkpoint.resume=never", *extra])
+
+
+def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, accum: int, steps: int) -> dict:
+    cfg = exact_config(
+        out, overrides, f"run.name=accum{accum}", f"train.grad_accum_steps={accum}", f"train.max_steps={steps}"
     )
     job = train.build(cfg, info)
     counter = SyncCounter()
     job.model.register_comm_hook(counter, counting_hook)
-    train.fit(job, cfg, info, preemption=checkpoint.PreemptionFlag(signals=()))
+    train.fit(job, cfg, info, train.training_log(job, cfg, info), checkpoint.PreemptionFlag(signals=()))
     reference = single_process_reference(cfg, info.world_size, steps)
     return {
         "max_difference": max_difference(job.state.model, reference),
         "steps": job.state.step,
-        "syncs": counter.syncs,
-        "bucket_allreduces": counter.buckets,
+        "buckets_per_sync": counter.buckets_per_sync,
         "micro_batches": steps * accum,
     }
 
 
-def prove_same_initial_weights(info: DistInfo) -> dict:
-    cfg = config.load(SMOKE)
+def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], info: DistInfo) -> dict:
+    """Ranks hold batches of different sizes (and so different numbers of loss terms); the
+    loop's gradient must still equal one process on their union."""
+    cfg = exact_config(out, overrides, "run.name=weighting")
+    job = train.build(cfg, info)
+    reference = copy.deepcopy(job.state.model)
+    train_set, _ = task.build_datasets(cfg)
+    collate = job.train_loader.collate_fn
+    sizes = [3 + 5 * rank for rank in range(info.world_size)]  # 3, 8, ... samples per rank
+    starts = [sum(sizes[:rank]) for rank in range(info.world_size)]
+    batches = [
+        collate([train_set[i] for i in range(start, start + size)]) for start, size in zip(starts, sizes, strict=True)
+    ]
+    job.model.train()
+    train.accumulate_gradients(job, [batches[info.rank]], cfg, info)
+    reference.train()
+    reference_gradients(reference, batches)
+    mean_of_means = copy.deepcopy(reference)
+    mean_of_means.zero_grad(set_to_none=True)
+    sum(task.loss_sum(mean_of_means, b) / float(task.count_terms(b)) for b in batches).div(len(batches)).backward()
+    pairs = list(zip(job.state.model.parameters(), reference.parameters(), mean_of_means.parameters(), strict=True))
+    return {
+        "terms": [float(task.count_terms(b)) for b in batches],
+        "max_difference": max((a.grad - b.grad).abs().max().item() for a, b, _ in pairs),
+        "mean_of_means_difference": max((b.grad - c.grad).abs().max().item() for _, b, c in pairs),
+    }
+
+
+def prove_same_initial_weights(overrides: list[str]) -> dict:
+    cfg = config.load(SMOKE, overrides)
     dist.seed_everything(cfg.run.seed)
-    first = build_model(cfg).state_dict()["0.weight"]
-    gathered = dist.all_gather_objects(first.sum().item())
-    return {"checksums": gathered}
+    checksum = sum(p.double().sum().item() for p in task.build_model(cfg).parameters())
+    return {"checksums": dist.all_gather_objects(checksum)}
 
 
 def prove_unequal_lengths_fail_on_every_rank(info: DistInfo) -> dict:
     try:
-        data.check_equal_lengths(10 + info.rank, info)
+        loaders.check_equal_lengths(10 + info.rank, info)
     except RuntimeError as err:
         message = str(err)
     else:
@@ -119,9 +164,9 @@ def prove_unequal_lengths_fail_on_every_rank(info: DistInfo) -> dict:
     return {"messages": dist.all_gather_objects(message)}
 
 
-def prove_wrapping(info: DistInfo) -> dict:
-    cfg = config.load(SMOKE, ["dist.bucket_cap_mb=7"])
-    model, eval_model = train.wrap(build_model(cfg), cfg, info)
+def prove_wrapping(overrides: list[str], info: DistInfo) -> dict:
+    cfg = config.load(SMOKE, [*overrides, "dist.bucket_cap_mb=7"])
+    model, eval_model = train.wrap(task.build_model(cfg), cfg, info)
     return {
         "is_ddp": isinstance(model, DDP),
         "eval_model_is_unwrapped": not isinstance(eval_model, DDP),
@@ -131,30 +176,35 @@ def prove_wrapping(info: DistInfo) -> dict:
     }
 
 
-def prove_eval_counts(info: DistInfo) -> dict:
-    cfg = config.load(SMOKE, ["data.num_workers=0"])
+def prove_eval_counts(overrides: list[str], info: DistInfo) -> dict:
+    cfg = config.load(SMOKE, [*overrides, "data.num_workers=0"])
     dist.seed_everything(cfg.run.seed)
-    model = build_model(cfg)
-    _, eval_loader = data.build_loaders(cfg, info, 0)
-    return train.evaluate(model, eval_loader, cfg, info)
+    model = task.build_model(cfg)
+    train_set, eval_set = task.build_datasets(cfg)
+    _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, 0)
+    return train.evaluate(model, eval_loader, cfg, info) | {"dataset_size": len(eval_set)}
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    which = sys.argv[2:] or ["all"]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--only", choices=["eval"], default=None)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args()
     info = DistInfo.from_env()
     dist.init(info, timeout_minutes=1)
-    results = {"world_size": info.world_size, "eval": prove_eval_counts(info)}
-    if "all" in which:
+    results = {"world_size": info.world_size, "eval": prove_eval_counts(args.overrides, info)}
+    if args.only is None:
         results |= {
-            "equivalence": prove_ddp_equals_big_batch(out, info, accum=1, steps=12),
-            "accumulation": prove_ddp_equals_big_batch(out, info, accum=4, steps=6),
-            "initial_weights": prove_same_initial_weights(info),
+            "equivalence": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=1, steps=12),
+            "accumulation": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=4, steps=6),
+            "weighting": prove_unequal_terms_are_weighted_globally(args.out, args.overrides, info),
+            "initial_weights": prove_same_initial_weights(args.overrides),
             "unequal_lengths": prove_unequal_lengths_fail_on_every_rank(info),
-            "wrapping": prove_wrapping(info),
+            "wrapping": prove_wrapping(args.overrides, info),
         }
     if info.is_main:
-        (out / f"proofs-{info.world_size}.json").write_text(json.dumps(results))
+        (args.out / f"proofs-{info.world_size}.json").write_text(json.dumps(results))
     dist.teardown(info)
 
 

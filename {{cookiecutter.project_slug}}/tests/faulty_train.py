@@ -7,7 +7,8 @@
       data:  rank FAULT_RANK's dataset raises when it reads a sample in step FAULT_STEP
       stall: rank FAULT_RANK sleeps FAULT_SECONDS before step FAULT_STEP (a stuck rank)
       slow:  every rank sleeps FAULT_SECONDS after each step (time to send a signal)
-The faults are injected by patching from outside; the project's code has no test hooks.
+The faults are injected from outside, through the task seam and the loop's own functions;
+the project's code has no test hooks and nothing in torch is patched.
 """
 
 from __future__ import annotations
@@ -17,9 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from {{ cookiecutter.package_name }} import data, train
+from {{ cookiecutter.package_name }} import task, train
 
 FAULT = os.environ.get("FAULT", "")
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
@@ -52,28 +51,38 @@ def faulty_optimizer_step(state, cfg):
         time.sleep(FAULT_SECONDS)
 
 
-def faulty_cross_entropy(logits, targets, original=torch.nn.functional.cross_entropy, **kwargs):
-    loss = original(logits, targets, **kwargs)
-    if RANK == FAULT_RANK and steps_done + 1 >= FAULT_STEP and logits.requires_grad:
+def nan_loss_sum(model, batch, original=task.loss_sum):
+    loss = original(model, batch)
+    if RANK == FAULT_RANK and steps_done + 1 >= FAULT_STEP and loss.requires_grad:
         return loss * float("nan")
     return loss
 
 
-class FaultyDataset(data.SyntheticClassification):
-    reads = 0
+class FailingReads:
+    """Wraps a dataset; rank FAULT_RANK's reads fail from step FAULT_STEP on."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
 
     def __getitem__(self, index):
-        FaultyDataset.reads += 1
         if RANK == FAULT_RANK and steps_done + 1 >= FAULT_STEP:
             raise ValueError(f"injected data error reading sample {index}")
-        return super().__getitem__(index)
+        return self.dataset[index]
+
+
+def failing_datasets(cfg, original=task.build_datasets):
+    train_set, eval_set = original(cfg)
+    return FailingReads(train_set), eval_set
 
 
 train.optimizer_step = faulty_optimizer_step
 if FAULT == "nan":
-    train.F.cross_entropy = faulty_cross_entropy
+    task.loss_sum = nan_loss_sum
 if FAULT == "data":
-    data.SyntheticClassification = FaultyDataset
+    task.build_datasets = failing_datasets
 
 if __name__ == "__main__":
     sys.exit(train.main())

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from {{ cookiecutter.package_name }}.model import build_model
+from {{ cookiecutter.package_name }}.task import build_model
 
 
 class WithUnusedHead(nn.Module):
@@ -11,7 +11,7 @@ class WithUnusedHead(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.body = build_model(cfg)
-        self.aux_head = nn.Linear(cfg.data.num_classes, 3)
+        self.aux_head = nn.Linear(cfg.dataset.num_classes, 3)
 
     def forward(self, inputs):
         return self.body(inputs)

@@ -1,11 +1,11 @@
-"""P6-P10: samplers, per-epoch order, equal lengths, per-rank worker sizing."""
+"""Samplers, per-epoch order, equal lengths, per-rank worker sizing, batch plumbing."""
 
 import pytest
 import torch
-from conftest import SMOKE_CONFIG
+from conftest import SMOKE_CONFIG, TINY
 from torch.utils.data import DistributedSampler
 
-from {{ cookiecutter.package_name }} import config, data
+from {{ cookiecutter.package_name }} import config, data, loaders
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 
@@ -18,34 +18,34 @@ def info(rank=0, world=2, local_world=2):
     [(64, 8, 16, 7), (128, 8, 8, 8), (16, 8, 8, 1), (8, 8, 8, 0), (2, 2, 8, 0), (4, 1, 8, 3), (1, 4, 8, 0)],
 )
 def test_workers_per_rank_rule(cpus, local_ranks, cap, expected):
-    # CPUs shared by the ranks of a node, one CPU left for each rank's main process, capped (P9)
-    assert data.workers_per_rank(cpus, local_ranks, cap) == expected
+    # CPUs shared by the ranks of a node, one CPU left for each rank's main process, capped
+    assert loaders.workers_per_rank(cpus, local_ranks, cap) == expected
 
 
 def test_threads_per_rank_share_the_cpus():
-    assert data.threads_per_rank(16, 8) == 2
-    assert data.threads_per_rank(2, 4) == 1
+    assert loaders.threads_per_rank(16, 8) == 2
+    assert loaders.threads_per_rank(2, 4) == 1
 
 
-def loaders(rank, world, *overrides, workers=0):
-    cfg = config.load(SMOKE_CONFIG, list(overrides))
-    return data.build_loaders(cfg, info(rank, world), workers)
+def build(rank, world, *overrides, workers=0):
+    cfg = config.load(SMOKE_CONFIG, [*TINY, *overrides])
+    return loaders.build_loaders(*data.build_datasets(cfg), cfg, info(rank, world), workers)
 
 
 def test_samplers_and_loader_settings():
-    train, evaluation = loaders(0, 2)
+    train, evaluation = build(0, 2)
     assert isinstance(train.sampler, DistributedSampler) and train.sampler.shuffle and train.sampler.drop_last
     assert isinstance(evaluation.sampler, DistributedSampler) and not evaluation.sampler.shuffle
     assert train.drop_last and not evaluation.drop_last  # P8: drop_last on sampler and loader
     assert not train.pin_memory  # CPU: nothing to pin
-    train, _ = loaders(0, 2, workers=2)
+    train, _ = build(0, 2, workers=2)
     assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 2
 
 
 def test_cuda_loaders_pin_memory_for_non_blocking_copies():
-    cfg = config.load(SMOKE_CONFIG)
+    cfg = config.load(SMOKE_CONFIG, TINY)
     cuda_info = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")
-    train, evaluation = data.build_loaders(cfg, cuda_info, 0)  # P18: pinned pages make .to(non_blocking) async
+    train, evaluation = loaders.build_loaders(*data.build_datasets(cfg), cfg, cuda_info, 0)  # pinned: async copies
     assert train.pin_memory and evaluation.pin_memory
 
 
@@ -55,23 +55,23 @@ def epoch_order(loader, epoch):
 
 
 def test_set_epoch_changes_the_order_and_shards_are_disjoint():
-    first, second = loaders(0, 2)[0], loaders(1, 2)[0]
-    assert epoch_order(first, 0) != epoch_order(first, 1)  # P7
-    assert epoch_order(first, 0) == epoch_order(loaders(0, 2)[0], 0)  # reproducible
+    first, second = build(0, 2)[0], build(1, 2)[0]
+    assert epoch_order(first, 0) != epoch_order(first, 1)  # set_epoch
+    assert epoch_order(first, 0) == epoch_order(build(0, 2)[0], 0)  # reproducible
     assert not set(epoch_order(first, 3)) & set(epoch_order(second, 3))
 
 
 @pytest.mark.parametrize("samples", [2048, 2047, 1001])
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_gets_the_same_number_of_full_batches(samples, world):
-    lengths = {len(loaders(r, world, f"data.train_samples={samples}")[0]) for r in range(world)}
+    lengths = {len(build(r, world, f"dataset.train_samples={samples}")[0]) for r in range(world)}
     assert len(lengths) == 1
-    for batch, _ in loaders(world - 1, world, f"data.train_samples={samples}")[0]:
+    for batch, _ in build(world - 1, world, f"dataset.train_samples={samples}")[0]:
         assert len(batch) == 16
 
 
 def test_resumable_sampler_continues_mid_epoch():
-    loader = loaders(1, 2)[0]
+    loader = build(1, 2)[0]
     full = epoch_order(loader, 5)
     loader.sampler.set_epoch(5)
     loader.sampler.skip = 48
@@ -81,12 +81,31 @@ def test_resumable_sampler_continues_mid_epoch():
 
 
 def test_unequal_lengths_fail_clearly_in_a_world_of_one():
-    data.check_equal_lengths(10, info(0, 1, 1))
+    loaders.check_equal_lengths(10, info(0, 1, 1))
     with pytest.raises(RuntimeError, match="loader is empty"):
-        data.check_equal_lengths(0, info(0, 1, 1))
+        loaders.check_equal_lengths(0, info(0, 1, 1))
 
 
 def test_dataset_is_learnable_and_deterministic():
-    cfg = config.load(SMOKE_CONFIG)
+    cfg = config.load(SMOKE_CONFIG, TINY)
     (a, _), (b, _) = data.build_datasets(cfg), data.build_datasets(cfg)
     assert torch.equal(a.inputs, b.inputs) and len(set(a.targets.tolist())) > 2
+
+
+def test_move_to_walks_tuples_lists_and_dicts():
+    batch = {"ids": torch.ones(2, 3), "pair": (torch.zeros(2), [torch.ones(2)]), "name": "x"}
+    moved = loaders.move_to(batch, torch.device("meta"))
+    assert moved["ids"].device.type == "meta" and moved["pair"][1][0].device.type == "meta"
+    assert isinstance(moved["pair"], tuple) and moved["name"] == "x"
+
+
+def test_num_samples_and_describe_read_any_batch_structure():
+    batch = {"meta": "x", "input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": torch.zeros(4, 7)}
+    assert loaders.num_samples(batch) == 4 and loaders.num_samples((torch.zeros(3, 2), torch.zeros(3))) == 3
+    assert loaders.describe(batch) == "{'meta': str, 'input_ids': Tensor[4, 7] int64, 'labels': Tensor[4, 7] float32}"
+
+
+def test_first_samples_collate_like_the_loader_without_touching_the_sampler():
+    train, _ = build(0, 2)
+    inputs, targets = loaders.first_samples(train.dataset, train, 3)
+    assert inputs.shape == (3, 16) and torch.equal(targets, train.dataset.targets[:3])

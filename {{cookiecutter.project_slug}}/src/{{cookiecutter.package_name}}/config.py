@@ -1,95 +1,120 @@
 """Typed configuration: dataclasses <- YAML file <- `section.key=value` overrides.
 
-Every field is documented next to its default. `load()` returns a validated `Config` or
-raises `ConfigError` with a message that names the key, the bad value and the fix.
+Every field is documented next to its default, and its value rule sits in its type (see
+rules.py). `load()` returns a validated `Config` or raises `ConfigError` with a message that
+names the key, the bad value and the fix. The task's own settings live beside the code that
+reads them: `ModelConfig` in model.py and `DatasetConfig` in data.py.
+
+    python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml   # rewrite it from the dataclasses
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import inspect
+import re
+import sys
 import types
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 import yaml
 
+from .data import DatasetConfig
+from .model import ModelConfig
+from .rules import PositiveInt, Rule
+
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
-Norm = Literal["batch", "layer"]
 
 
 class ConfigError(ValueError):
     """A configuration problem the user can fix; the message says how."""
 
+    prefix = "config error"
+
+
+@contextmanager
+def exit_on_user_error():
+    """A problem the user can fix ends the process with its one-line message and exit code 2."""
+    try:
+        yield
+    except ConfigError as err:
+        print(f"{err.prefix}: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+NonNegative = Annotated[float, Rule(lambda v: v >= 0, "use >= 0")]
+RunName = Annotated[str, Rule(lambda v: bool(v) and "/" not in v, "use a plain directory name")]
+Workers = Annotated[int | Literal["auto"], Rule(lambda v: v == "auto" or v >= 0, "use auto or >= 0")]
+StepCap = Annotated[int | None, Rule(lambda v: v is None or v >= 1, "use null or >= 1")]
+LearningRate = Annotated[float, Rule(lambda v: v > 0, "use a positive learning rate such as 1e-3")]
+Share = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or 0 <= v < 1, "use auto or a share in [0, 1)")]
+Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
+ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
+Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
+
 
 @dataclass
 class RunConfig:
-    name: str = "default"  # run name: every output of the run goes to out_dir/name/
+    name: RunName = "default"  # run name: every output of the run goes to out_dir/name/
     out_dir: str = "runs"  # parent directory of all runs
     seed: int = 0  # the same seed on every rank, set before the model is built
-    log_every: int = 10  # optimizer steps between log lines (and preemption/NaN checks)
+    log_every: PositiveInt = 10  # optimizer steps between log lines (and preemption/NaN checks)
 
 
 @dataclass
 class DataConfig:
-    batch_size: int = 32  # per device; global = batch_size x world size x grad_accum_steps
-    num_workers: int | Literal["auto"] = "auto"  # loader workers per rank; auto sizes from CPUs
-    max_workers: int = 8  # cap for num_workers=auto
-    prefetch_factor: int = 2  # batches each worker prepares ahead (only with workers > 0)
-    train_samples: int = 16384  # size of the synthetic training set
-    eval_samples: int = 2000  # size of the synthetic evaluation set
-    num_features: int = 32  # input width of the synthetic data
-    num_classes: int = 10  # classes of the synthetic data
-
-
-@dataclass
-class ModelConfig:
-    hidden: int = 256  # width of the hidden layers
-    depth: int = 2  # number of hidden blocks (Linear -> norm -> ReLU)
-    norm: Norm = "batch"  # batch: BatchNorm (SyncBN-able); layer: LayerNorm (batch-size free)
+    batch_size: PositiveInt = 32  # per device; global = batch_size x world size x grad_accum_steps
+    num_workers: Workers = "auto"  # loader workers per rank; auto: the rank's share of CPUs - 1, capped
+    max_workers: PositiveInt = 8  # cap for num_workers=auto
+    prefetch_factor: PositiveInt = 2  # batches each worker prepares ahead (only with workers > 0)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10  # passes over the training set
-    max_steps: int | None = None  # optional cap on optimizer steps (null: no cap)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step; only the last all-reduces
+    epochs: PositiveInt = 10  # passes over the training set
+    max_steps: StepCap = None  # optional cap on optimizer steps (null: no cap)
+    grad_accum_steps: PositiveInt = 1  # micro-batches per optimizer step; only the last all-reduces
     precision: Precision = "bf16"  # bf16 | fp16 (with GradScaler) | fp32
     compile: bool = False  # torch.compile the model before wrapping it in DDP
     sync_batchnorm: bool = True  # SyncBatchNorm across ranks (CUDA only; needs world > 1)
-    lr: float = 1e-3  # learning rate tuned for reference_batch_size
-    reference_batch_size: int = 32  # global batch at which lr was tuned
+    lr: LearningRate = 1e-3  # learning rate tuned for reference_batch_size
+    reference_batch_size: PositiveInt = 32  # global batch at which lr was tuned
     lr_scaling: LrScaling = "auto"  # auto: linear up to 4x the reference batch, sqrt beyond
-    warmup_fraction: float | Literal["auto"] = "auto"  # share of steps; auto: 1-5% by batch growth
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr x min_lr_ratio
-    weight_decay: float = 0.01  # AdamW weight decay
-    grad_clip: float | None = 1.0  # max global gradient norm (null: no clipping)
+    warmup_fraction: Share = "auto"  # share of steps spent warming up; auto: 1-5%, more for larger batches
+    min_lr_ratio: Ratio = 0.1  # cosine decay ends at lr x min_lr_ratio
+    weight_decay: NonNegative = 0.01  # AdamW weight decay (not applied to norms and biases)
+    grad_clip: ClipNorm = 1.0  # max global gradient norm (null: no clipping)
     cudnn_benchmark: bool = True  # let cuDNN pick the fastest kernels for fixed input sizes
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 500  # optimizer steps between checkpoints (one is also written at the end)
-    keep_last: int = 3  # checkpoints kept in out_dir/name/checkpoints/
+    every_steps: PositiveInt = 500  # optimizer steps between checkpoints (one is also written at the end)
+    keep_last: PositiveInt = 3  # checkpoints kept in out_dir/name/checkpoints/
     resume: str = "auto"  # auto: newest loadable checkpoint of this run; never; or a file path
 
 
 @dataclass
 class DistConfig:
-    timeout_minutes: float = 30.0  # collective timeout; a short one turns a hang into a traceback
-    bucket_cap_mb: int = 25  # DDP gradient bucket size
+    timeout_minutes: Minutes = 30.0  # collective timeout; a short one turns a hang into an error
+    bucket_cap_mb: PositiveInt = 25  # DDP gradient bucket size
     find_unused_parameters: bool = False  # only if `diagnose unused` lists parameters you need
     static_graph: bool = False  # DDP static_graph: same used parameters every step
-    gpus_per_node: int = 8  # what this project was planned for; launchers and doctor compare
-    num_nodes: int = 1  # what this project was planned for
+    gpus_per_node: PositiveInt = 8  # what this project was planned for; launchers and doctor compare
+    num_nodes: PositiveInt = 1  # what this project was planned for
 
 
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -148,13 +173,11 @@ def from_dict(tree: dict) -> Config:
     unknown = set(tree) - set(sections)
     if unknown:
         raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: {', '.join(sections)}")
-    cfg = Config(**sections)
-    validate(cfg)
-    return cfg
+    return Config(**sections)
 
 
 def _build_section(name: str, cls: type, values: dict):
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:
@@ -163,6 +186,12 @@ def _build_section(name: str, cls: type, values: dict):
 
 
 def _check_type(key: str, value, expected):
+    if typing.get_origin(expected) is Annotated:
+        value = _check_type(key, value, expected.__origin__)
+        for rule in expected.__metadata__:
+            if isinstance(rule, Rule) and not rule.holds(value):
+                raise ConfigError(f"{key}: {value!r} is invalid; {rule.fix}")
+        return value
     if typing.get_origin(expected) in (Union, types.UnionType):
         for option in typing.get_args(expected):
             try:
@@ -191,61 +220,13 @@ def _check_type(key: str, value, expected):
 
 
 def _describe(expected) -> str:
+    if typing.get_origin(expected) is Annotated:
+        return _describe(expected.__origin__)
     if typing.get_origin(expected) in (Union, types.UnionType):
         return " or ".join(_describe(option) for option in typing.get_args(expected))
     if typing.get_origin(expected) is Literal:
         return " or ".join(repr(v) for v in typing.get_args(expected))
     return {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a string"}[expected]
-
-
-def validate(cfg: Config) -> None:
-    """Value checks the types cannot express; each names the key and the fix."""
-    at_least_one = {
-        "run.log_every": cfg.run.log_every,
-        "data.batch_size": cfg.data.batch_size,
-        "data.train_samples": cfg.data.train_samples,
-        "data.eval_samples": cfg.data.eval_samples,
-        "data.num_features": cfg.data.num_features,
-        "data.max_workers": cfg.data.max_workers,
-        "data.prefetch_factor": cfg.data.prefetch_factor,
-        "model.hidden": cfg.model.hidden,
-        "model.depth": cfg.model.depth,
-        "train.epochs": cfg.train.epochs,
-        "train.grad_accum_steps": cfg.train.grad_accum_steps,
-        "train.reference_batch_size": cfg.train.reference_batch_size,
-        "checkpoint.every_steps": cfg.checkpoint.every_steps,
-        "checkpoint.keep_last": cfg.checkpoint.keep_last,
-        "dist.bucket_cap_mb": cfg.dist.bucket_cap_mb,
-        "dist.gpus_per_node": cfg.dist.gpus_per_node,
-        "dist.num_nodes": cfg.dist.num_nodes,
-    }
-    for key, value in at_least_one.items():
-        if value < 1:
-            raise ConfigError(f"{key}: {value} must be at least 1")
-    checks = [
-        ("data.num_classes", cfg.data.num_classes >= 2, "use at least 2 classes"),
-        ("data.num_workers", cfg.data.num_workers == "auto" or cfg.data.num_workers >= 0, "use auto or >= 0"),
-        ("train.max_steps", cfg.train.max_steps is None or cfg.train.max_steps >= 1, "use null or >= 1"),
-        ("train.lr", cfg.train.lr > 0, "use a positive learning rate such as 1e-3"),
-        (
-            "train.warmup_fraction",
-            cfg.train.warmup_fraction == "auto" or 0 <= cfg.train.warmup_fraction < 1,
-            "use auto or a share in [0, 1), e.g. 0.03",
-        ),
-        ("train.min_lr_ratio", 0 <= cfg.train.min_lr_ratio <= 1, "use a ratio in [0, 1]"),
-        ("train.weight_decay", cfg.train.weight_decay >= 0, "use >= 0"),
-        ("train.grad_clip", cfg.train.grad_clip is None or cfg.train.grad_clip > 0, "use null or a positive norm"),
-        ("dist.timeout_minutes", cfg.dist.timeout_minutes > 0, "use a positive number of minutes, e.g. 30"),
-        ("run.name", bool(cfg.run.name) and "/" not in cfg.run.name, "use a plain directory name"),
-    ]
-    for key, ok, fix in checks:
-        if not ok:
-            raise ConfigError(f"{key}: {_value_at(cfg, key)!r} is invalid; {fix}")
-
-
-def _value_at(cfg: Config, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -255,3 +236,68 @@ def to_dict(cfg: Config) -> dict:
 def save(cfg: Config, path: str | Path) -> None:
     """Write the resolved config as YAML; `load(path)` reads it back unchanged."""
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+HEADER = """\
+# Every setting of a run. Override any of them on the command line: section.key=value
+# (e.g. `scripts/train.sh train.lr=3e-4 run.name=lr3e-4`). The resolved config is saved
+# to runs/<name>/config.yaml and inside every checkpoint. The keys and comments come from
+# the dataclasses (config.py, model.py, data.py): after adding a setting there, run
+# `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`; values here are kept.
+"""
+COMMENT_COLUMN = 24
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The `# comment` written after each field of a config dataclass, read from its source."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"^\s+(\w+):[^#]*#\s*(.+)$", line)
+        if match:
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def render_yaml(cfg: Config) -> str:
+    """Every setting with its value and the comment from its dataclass: the text of default.yaml."""
+    lines = [HEADER.rstrip("\n")]
+    for name in typing.get_type_hints(Config):
+        section = getattr(cfg, name)
+        comments = field_comments(type(section))
+        lines += ["", f"{name}:"]
+        for f in dataclasses.fields(section):
+            head = f"  {f.name}: {_yaml_scalar(getattr(section, f.name))}"
+            lines.append(f"{head.ljust(COMMENT_COLUMN - 1)}  # {comments.get(f.name, '')}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_scalar(value) -> str:
+    return yaml.safe_dump([value], default_flow_style=True, width=1000).strip()[1:-1]
+
+
+def sync(path: str | Path) -> list[str]:
+    """Rewrite a config file from the dataclasses, keeping its values; returns the keys it dropped."""
+    tree = yaml.safe_load(Path(path).read_text()) or {}
+    sections = typing.get_type_hints(Config)
+    dropped, kept = [], {}
+    for name, values in tree.items():
+        known = {f.name for f in dataclasses.fields(sections[name])} if name in sections else set()
+        kept[name] = {k: v for k, v in (values or {}).items() if k in known}
+        dropped += [f"{name}.{k}" for k in values or {} if k not in known]
+    Path(path).write_text(render_yaml(from_dict(kept)))
+    return dropped
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Rewrite a config file from the dataclasses, keeping its values.")
+    parser.add_argument("command", choices=["sync"])
+    parser.add_argument("path", nargs="?", default="configs/default.yaml")
+    args = parser.parse_args(argv)
+    with exit_on_user_error():
+        dropped = sync(args.path)
+    print(f"wrote {args.path}" + (f"; dropped unknown keys {', '.join(dropped)}" if dropped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """Diagnostics for the usual DDP pitfalls.
 
     python -m {{ cookiecutter.package_name }}.diagnose doctor    # environment: versions, GPUs, ports, CPUs, /dev/shm
-    python -m {{ cookiecutter.package_name }}.diagnose unused    # parameters that get no gradient (P13)
-    python -m {{ cookiecutter.package_name }}.diagnose scaling   # speedup and efficiency, 1 vs N processes (P32)
+    python -m {{ cookiecutter.package_name }}.diagnose unused    # parameters that get no gradient
+    python -m {{ cookiecutter.package_name }}.diagnose scaling   # speedup and efficiency, 1 vs N processes
 Each takes --config and section.key=value overrides like training does.
 """
 
@@ -21,12 +21,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from . import config, data
-from .config import Config, ConfigError
-from .dist import cpus_available
-from .model import build_model
+from . import config, loaders, task
+from .config import Config
+from .dist import DistInfo, cpus_available
 
 OK, WARN, FAIL = "ok", "WARN", "FAIL"
 DEFAULT_MASTER_PORT = 29622  # the launch scripts' default: away from the crowded 29500
@@ -79,8 +77,8 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
 
 def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
     cpus = cpus_available()
-    auto = data.workers_per_rank(cpus, ranks, cfg.data.max_workers)
-    workers = auto if cfg.data.num_workers == "auto" else cfg.data.num_workers
+    auto = loaders.workers_per_rank(cpus, ranks, cfg.data.max_workers)
+    workers = loaders.resolve_workers(cfg, cpus, ranks)
     processes = ranks * (workers + 1)
     verdict = OK if processes <= cpus else WARN
     rows = [
@@ -91,7 +89,7 @@ def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
             f"on {cpus} CPUs" + ("" if verdict == OK else f"; oversubscribed: use data.num_workers=auto ({auto})"),
         )
     ]
-    threads = int(os.environ.get("OMP_NUM_THREADS", data.threads_per_rank(cpus, ranks)))
+    threads = int(os.environ.get("OMP_NUM_THREADS", loaders.threads_per_rank(cpus, ranks)))
     verdict = OK if threads * ranks <= cpus else WARN
     rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {cpus} CPUs"))
     return rows
@@ -108,18 +106,20 @@ def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
 
 
 def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
-    """Names of parameters whose .grad is None after one plain (non-DDP) step on real data."""
-    train_set, _ = data.build_datasets(cfg)
-    inputs, targets = next(iter(torch.utils.data.DataLoader(train_set, batch_size=min(8, len(train_set)))))
+    """Names of parameters whose .grad is None after one plain (non-DDP) step on a real batch
+    of the training loader, with the task's own loss."""
+    train_set, eval_set = task.build_datasets(cfg)
+    world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, num_workers=0)
     model.train()
-    F.cross_entropy(model(inputs), targets).backward()
+    task.loss_sum(model, next(iter(train_loader))).backward()
     return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
 
 def load_model_factory(spec: str | None):
     """'module:function' returning a model for a config; the project's build_model by default."""
     if spec is None:
-        return build_model
+        return task.build_model
     module, _, function = spec.partition(":")
     return getattr(importlib.import_module(module), function)
 
@@ -163,7 +163,7 @@ def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int) -> dict
 
 def _threads_env(nproc: int) -> dict:
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(data.threads_per_rank(cpus_available(), nproc))
+    env["OMP_NUM_THREADS"] = str(loaders.threads_per_rank(cpus_available(), nproc))
     return env
 
 
@@ -213,11 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="steps per scaling run")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    try:
+    with config.exit_on_user_error():
         cfg = config.load(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
     if args.command == "doctor":
         rows = doctor(cfg, args.nproc, args.port or [29500, DEFAULT_MASTER_PORT])
         for verdict, topic, detail in rows:

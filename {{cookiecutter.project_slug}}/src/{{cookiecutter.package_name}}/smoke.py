@@ -22,10 +22,8 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, config, dist, train
-from .config import ConfigError
+from . import checkpoint, config, dist, task, train
 from .dist import DistInfo
-from .model import build_model
 
 PASS, FAIL, SKIP, INFO = "PASS", "FAIL", "SKIP", "INFO"
 
@@ -76,30 +74,29 @@ def check_backend(info: DistInfo) -> tuple[str, str]:
 
 
 def check_gradients_reduced(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
-    """Each rank feeds different data; after backward every rank must hold the same gradients."""
+    """Each rank's first batch of the user's own loader differs; after backward every rank must
+    hold the same gradients."""
     if not info.distributed:
         return SKIP, "a world of one has nothing to all-reduce"
-    generator = torch.Generator().manual_seed(1000 + info.rank)
-    inputs = torch.randn(cfg.data.batch_size, cfg.data.num_features, generator=generator).to(info.device)
-    targets = torch.randint(0, cfg.data.num_classes, (cfg.data.batch_size,), generator=generator).to(info.device)
+    batch = task.to_device(next(iter(job.train_loader)), info.device)
     model = job.model
     with model.no_sync():
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+        task.loss_sum(model, batch).backward()
     local = dist.all_gather_objects(gradient_digest(model))
     model.zero_grad(set_to_none=True)
-    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    task.loss_sum(model, batch).backward()
     reduced = dist.all_gather_objects(gradient_digest(model))
     model.zero_grad(set_to_none=True)
     if len(set(local)) == 1:
         return FAIL, "local gradients were already equal: the ranks did not get different data"
     if len(set(reduced)) != 1:
         return FAIL, "gradients differ across ranks after backward: they were not all-reduced"
-    return PASS, f"rank-dependent inputs gave identical gradients on {info.world_size} ranks"
+    return PASS, f"each rank's own batch gave identical gradients on {info.world_size} ranks"
 
 
 def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
     expected = train.AUTOCAST_DTYPES[cfg.train.precision]
-    with torch.autocast(info.device.type, dtype=expected, enabled=cfg.train.precision != "fp32"):
+    with train.autocast(cfg, info):
         out = torch.nn.functional.linear(torch.ones(2, 2, device=info.device), torch.ones(2, 2, device=info.device))
     scaler_ok = scaler.is_enabled() == (cfg.train.precision == "fp16")
     if out.dtype != expected or not scaler_ok:
@@ -125,7 +122,7 @@ def run_checks(cfg, info: DistInfo) -> list[tuple[str, str, str]]:
         job.model.register_comm_hook(counter, counting_allreduce_hook)
     results.append(("gradients all-reduced", *check_gradients_reduced(job, cfg, info)))
     start = time.perf_counter()
-    train.fit(job, cfg, info, preemption=checkpoint.PreemptionFlag(signals=()))
+    train.fit(job, cfg, info, train.training_log(job, cfg, info), checkpoint.PreemptionFlag(signals=()))
     elapsed = time.perf_counter() - start
 
     digests = dist.all_gather_objects(parameter_digest(job.state.model))
@@ -166,8 +163,8 @@ def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[s
 
 def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
     """Rank 0 wrote the file from its own replica; only its comparison is meaningful."""
-    path = checkpoint.save(job.state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
-    fresh = build_model(cfg)
+    path = train.save_checkpoint(job.state, cfg, info)
+    fresh = task.build_model(cfg)
     fresh.load_state_dict(checkpoint.load_file(path)["model"])
     same = digest(fresh.state_dict().values()) == digest(job.state.model.state_dict().values())
     return (PASS if same else FAIL), f"{path.name} reloads into a plain model bit-identically"
@@ -201,20 +198,15 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     info = DistInfo.from_env()
-    try:
+    with config.exit_on_user_error():
         cfg = config.load(args.config, ["run.name=smoke-check", "checkpoint.resume=never", *args.overrides])
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        train.check_hardware(cfg, info)
     dist.init(info, cfg.dist.timeout_minutes)
-    try:
+    with train.failures_reported(info), config.exit_on_user_error():
         if info.is_main:
             shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a clean run directory every time
         dist.barrier()
         results = run_checks(cfg, info)
-    except BaseException as err:
-        dist.report_failure(info, err)
-        raise
     dist.print0(info, format_table(results))
     dist.teardown(info)
     return 1 if any(verdict == FAIL for _, verdict, _ in results) else 0

@@ -12,26 +12,32 @@ Or use scripts/train.sh, scripts/train_multinode.sh and scripts/train.sbatch.
 from __future__ import annotations
 
 import argparse
+import enum
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, data, dist, optim
+from . import checkpoint, config, dist, loaders, optim, task
 from .checkpoint import TrainState
 from .config import Config, ConfigError
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
-from .model import build_model
+from .preflight import check_task
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Outcome(enum.Enum):
+    EPOCH_END = "the epoch ran out"
+    MAX_STEPS = "train.max_steps or the planned steps are done"
+    PREEMPTED = "a preemption request reached every rank"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,26 +50,38 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     info = DistInfo.from_env()
-    try:
-        # before any collective: every rank finds the same problem and exits alone
+    with config.exit_on_user_error():  # before any collective: every rank finds the same problem
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr, flush=True)
-        return 2
     dist.init(info, cfg.dist.timeout_minutes)
-    try:
+    with failures_reported(info), config.exit_on_user_error():
         code = run(cfg, info)
+    dist.teardown(info)
+    return code
+
+
+@contextmanager
+def failures_reported(info: DistInfo):
+    """Any rank's exception reaches the user with the rank that raised it."""
+    try:
+        yield
+    except SystemExit:
+        raise
     except BaseException as err:
         dist.report_failure(info, err)
         raise
-    dist.teardown(info)
-    return code
 
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:
     if cfg.train.precision == "bf16" and info.device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("train.precision: bf16 is not supported by this GPU; use train.precision=fp16")
+
+
+def autocast(cfg: Config, info: DistInfo):
+    """The forward passes' precision: bf16/fp16 autocast, or a disabled one for fp32."""
+    return torch.autocast(
+        info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
+    )
 
 
 @dataclass
@@ -90,27 +108,28 @@ def run(cfg: Config, info: DistInfo) -> int:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")
     report_startup(cfg, info, job, resumed)
-    outcome = fit(job, cfg, info, checkpoint.PreemptionFlag())
-    checkpoint.save(job.state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
-    if outcome == "preempted":
+    log = training_log(job, cfg, info)
+    outcome = fit(job, cfg, info, log, checkpoint.PreemptionFlag())
+    save_checkpoint(job.state, cfg, info)
+    if outcome is Outcome.PREEMPTED:
         dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
         return checkpoint.PREEMPTED_EXIT_CODE
-    dist.print0(info, f"done: {job.state.step} steps; outputs in {cfg.run_dir}")
+    dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
     return 0
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
     cpus = dist.cpus_available()
-    torch.set_num_threads(data.threads_per_rank(cpus, info.local_world_size))
+    torch.set_num_threads(loaders.threads_per_rank(cpus, info.local_world_size))
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
-    dist.seed_everything(cfg.run.seed)  # after init, before the model exists (P5)
-    raw_model = build_model(cfg)
+    dist.seed_everything(cfg.run.seed)  # after init, before the model exists
+    raw_model = task.build_model(cfg)
+    train_set, eval_set = task.build_datasets(cfg)
+    workers = loaders.resolve_workers(cfg, cpus, info.local_world_size)
+    train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
+    check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
     model, eval_model = wrap(raw_model, cfg, info)
-
-    workers = data.workers_per_rank(cpus, info.local_world_size, cfg.data.max_workers)
-    workers = workers if cfg.data.num_workers == "auto" else cfg.data.num_workers
-    train_loader, eval_loader = data.build_loaders(cfg, info, workers)
-    data.check_equal_lengths(len(train_loader), info)
+    loaders.check_equal_lengths(len(train_loader), info)
 
     global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
@@ -127,27 +146,28 @@ def build(cfg: Config, info: DistInfo) -> Job:
     return Job(model, eval_model, state, train_loader, eval_loader, global_batch, lr, warmup, workers, total_steps)
 
 
-def fit(job: Job, cfg: Config, info: DistInfo, preemption) -> str:
-    """Epochs of training and evaluation until total_steps or a preemption ("preempted")."""
+def training_log(job: Job, cfg: Config, info: DistInfo) -> TrainingLog:
+    return TrainingLog(info, cfg.run_dir / "metrics.jsonl", job.total_steps, job.state.step)
+
+
+def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> Outcome:
+    """Epochs of training and evaluation until total_steps or a preemption."""
     state, sampler = job.state, job.train_loader.sampler
-    log = TrainingLog(info, cfg.run_dir / "metrics.jsonl", job.total_steps)
     outcome = None
-    while state.step < job.total_steps and outcome != "preempted":
-        sampler.set_epoch(state.epoch)  # a new order every epoch (P7)
+    while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
+        sampler.set_epoch(state.epoch)  # a new order every epoch
         sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
-        outcome = train_one_epoch(state, job.model, job.train_loader, cfg, info, log, preemption, job.total_steps)
-        if outcome != "preempted":
-            log.write(
-                {"step": state.step, "epoch": state.epoch, **evaluate(job.eval_model, job.eval_loader, cfg, info)}
-            )
-        if outcome == "epoch_end":
+        outcome = train_one_epoch(job, cfg, info, log, preemption)
+        if outcome is not Outcome.PREEMPTED:
+            log.evaluation(state.step, state.epoch, evaluate(job.eval_model, job.eval_loader, cfg, info))
+        if outcome is Outcome.EPOCH_END:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
     log.close()
     return outcome
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
-    """SyncBN -> device -> compile -> DDP, in that order (P11). Returns (train, eval) modules.
+    """SyncBN -> device -> compile -> DDP, in that order. Returns (train, eval) modules.
 
     The eval module is the same weights without the DDP wrapper, so evaluation runs no
     collectives and ranks may hold different numbers of eval batches.
@@ -166,60 +186,66 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
             bucket_cap_mb=cfg.dist.bucket_cap_mb,
-            find_unused_parameters=cfg.dist.find_unused_parameters,  # off: costs 10-20% a step (P13)
-            gradient_as_bucket_view=True,  # gradients live in the buckets: one copy fewer (P14)
+            find_unused_parameters=cfg.dist.find_unused_parameters,  # off: costs 10-20% a step
+            gradient_as_bucket_view=True,  # gradients live in the buckets: one copy fewer
             static_graph=cfg.dist.static_graph,
         )
     return model, eval_model
 
 
-def train_one_epoch(
-    state: TrainState,
-    model: nn.Module,
-    loader,
-    cfg: Config,
-    info: DistInfo,
-    log: TrainingLog,
-    preemption,
-    total_steps: int,
-) -> str:
-    """Optimizer steps until the epoch ends ("epoch_end"), total_steps ("max_steps") or a
-    preemption request reaches every rank ("preempted")."""
-    accum = cfg.train.grad_accum_steps
-    autocast = torch.autocast(
-        info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
-    )
-    model.train()
-    batches = iter(loader)
-    for micro_step in range(len(loader) - len(loader) % accum):  # drop a partial accumulation
+def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> Outcome:
+    """Optimizer steps until the epoch ends, total_steps, or a preemption request reaches every rank."""
+    state, accum = job.state, cfg.train.grad_accum_steps
+    job.model.train()
+    batches = iter(job.train_loader)
+    for _ in range(len(job.train_loader) // accum):  # a partial accumulation is dropped
         wait_start = time.perf_counter()
-        inputs, targets = next(batches)
+        micro_batches = [next(batches) for _ in range(accum)]
         data_wait = time.perf_counter() - wait_start
-        inputs = inputs.to(info.device, non_blocking=True)  # async with pinned memory (P18)
-        targets = targets.to(info.device, non_blocking=True)
-        syncs = (micro_step + 1) % accum == 0
-        # only the last micro-batch all-reduces; the others accumulate locally (P16)
-        with nullcontext() if syncs or not info.distributed else model.no_sync():
-            with autocast:
-                loss = F.cross_entropy(model(inputs), targets)
-            state.scaler.scale(loss / accum).backward()
-        log.record(loss, len(targets), data_wait)
-        state.batch_in_epoch += 1
-        if not syncs:
-            continue
+        loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
+        log.record(loss_sum, terms, accum * cfg.data.batch_size, data_wait)
+        state.batch_in_epoch += accum
         optimizer_step(state, cfg)
         state.step += 1
-        done = state.step >= total_steps
+        done = state.step >= job.total_steps
         if state.step % cfg.run.log_every == 0 or done:
             record = log.flush(state.step, state.epoch, state.scheduler.get_last_lr()[0], preemption.requested)
             check_finite(record["loss"], state.step, cfg)
             if record["stop"]:
-                return "preempted"
+                return Outcome.PREEMPTED
         if done:
-            return "max_steps"
+            return Outcome.MAX_STEPS
         if state.step % cfg.checkpoint.every_steps == 0:
-            checkpoint.save(state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
-    return "epoch_end"
+            save_checkpoint(state, cfg, info)
+    return Outcome.EPOCH_END
+
+
+def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tuple[torch.Tensor, float]:
+    """Forward and backward over one optimizer step's micro-batches; returns (summed loss, loss terms).
+
+    DDP averages gradients over ranks, so each rank scales its summed loss by world size /
+    the step's loss terms over every rank: the gradient becomes that of one process on the
+    union of all the micro-batches, however the terms are spread over ranks.
+    """
+    local_terms = float(sum(task.count_terms(batch) for batch in micro_batches))
+    loss_scale = info.world_size / step_terms(local_terms, info)
+    total = torch.zeros((), device=info.device)
+    for index, batch in enumerate(micro_batches):
+        syncs = index == len(micro_batches) - 1  # only the last micro-batch all-reduces
+        with nullcontext() if syncs or not info.distributed else job.model.no_sync():
+            with autocast(cfg, info):
+                loss_sum = task.loss_sum(job.model, task.to_device(batch, info.device))
+            job.state.scaler.scale(loss_sum * loss_scale).backward()
+        total += loss_sum.detach()
+    return total, local_terms
+
+
+def step_terms(local_terms: float, info: DistInfo) -> torch.Tensor:
+    """Loss terms of this optimizer step summed over ranks, left on the device (no host sync)."""
+    terms = torch.tensor(local_terms, dtype=torch.float32)
+    if info.device.type == "cuda":
+        terms = terms.pin_memory()  # a pageable copy would wait for the queued kernels
+    return dist.all_reduce_sum(terms.to(info.device, non_blocking=True))
 
 
 def optimizer_step(state: TrainState, cfg: Config) -> None:
@@ -228,8 +254,12 @@ def optimizer_step(state: TrainState, cfg: Config) -> None:
         nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
     state.scaler.step(state.optimizer)  # fp16: skipped if the gradients overflowed
     state.scaler.update()
-    state.optimizer.zero_grad(set_to_none=True)  # frees the memory instead of writing zeros (P17)
+    state.optimizer.zero_grad(set_to_none=True)  # frees the memory instead of writing zeros
     state.scheduler.step()
+
+
+def save_checkpoint(state: TrainState, cfg: Config, info: DistInfo):
+    return checkpoint.save(state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
 
 
 def check_finite(loss: float, step: int, cfg: Config) -> None:
@@ -243,34 +273,27 @@ def check_finite(loss: float, step: int, cfg: Config) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
-    """Loss and accuracy over every eval sample exactly once, whatever the world size (P26)."""
+    """The task's metrics over every eval sample exactly once, whatever the world size."""
     model.eval()
-    totals = Totals(("loss", "correct", "count"), info.device)
+    totals = Totals(info.device)
     position = 0
-    for inputs, targets in loader:
-        inputs = inputs.to(info.device, non_blocking=True)
-        targets = targets.to(info.device, non_blocking=True)
-        with torch.autocast(
-            info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
-        ):
-            logits = model(inputs).float()
-        real = real_sample_mask(position, len(targets), info, len(loader.dataset), info.device)
-        position += len(targets)
-        losses = F.cross_entropy(logits, targets, reduction="none")
-        totals.add(loss=losses[real].sum(), correct=(logits.argmax(1) == targets)[real].sum(), count=real.sum())
-    sums = totals.reduced()
+    for batch in loader:
+        size = loaders.num_samples(batch)
+        with autocast(cfg, info):
+            sums = task.eval_sums(model, task.to_device(batch, info.device))
+        real = real_sample_mask(position, size, info, len(loader.dataset), info.device)
+        position += size
+        totals.add(samples=real.sum(), **{name: values[real].sum() for name, values in sums.items()})
+    reduced = totals.reduced()
     model.train()
-    return {
-        "eval_loss": sums["loss"] / sums["count"],
-        "eval_accuracy": sums["correct"] / sums["count"],
-        "eval_samples": int(sums["count"]),
-    }
+    results = {f"eval_{name}": value for name, value in task.metrics(reduced).items()}
+    return results | {"eval_samples": int(reduced["samples"])}
 
 
 def report_startup(cfg: Config, info: DistInfo, job: Job, resumed) -> None:
     params = sum(p.numel() for p in job.state.model.parameters())
     # params + grads + AdamW's two moments, in fp32; AMP adds low-precision weight copies,
-    # budgeted at 4 bytes per parameter. DDP replicates all of it on every device (P28).
+    # budgeted at 4 bytes per parameter. DDP replicates all of it on every device.
     per_param = 4 + 4 + 8 + (4 if cfg.train.precision != "fp32" else 0)
     dist.print0(
         info,
@@ -284,10 +307,6 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, resumed) -> None:
         f"parameters {params:,}; static memory per device ~{params * per_param / 2**20:.1f} MiB\n"
         + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
-
-
-def cli() -> None:
-    sys.exit(main())
 
 
 if __name__ == "__main__":

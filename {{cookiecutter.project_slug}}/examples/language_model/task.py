@@ -1,0 +1,50 @@
+"""The task seam for a causal language model: dict batches, (B, T, V) logits, labels -100 on
+padding, the loss averaged over valid tokens across every rank, perplexity for evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import IGNORE, build_datasets
+from .loaders import move_to as to_device
+from .model import build_model
+
+__all__ = [
+    "MAIN_METRIC",
+    "build_datasets",
+    "build_model",
+    "count_terms",
+    "eval_sums",
+    "loss_sum",
+    "metrics",
+    "to_device",
+]
+
+MAIN_METRIC = ("perplexity", "min")
+
+
+def count_terms(batch) -> int:
+    return int((batch["labels"] != IGNORE).sum())
+
+
+def token_losses(model: nn.Module, batch) -> torch.Tensor:
+    """(B, T) cross-entropy of each next token; 0 where the label is padding."""
+    logits = model(batch["input_ids"]).float()
+    return F.cross_entropy(logits.transpose(1, 2), batch["labels"], ignore_index=IGNORE, reduction="none")
+
+
+def loss_sum(model: nn.Module, batch) -> torch.Tensor:
+    return token_losses(model, batch).sum()
+
+
+def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    return {"loss": token_losses(model, batch).sum(dim=1), "tokens": (batch["labels"] != IGNORE).sum(dim=1).float()}
+
+
+def metrics(totals: dict[str, float]) -> dict[str, float]:
+    loss = totals["loss"] / totals["tokens"]
+    return {"loss": loss, "perplexity": math.exp(loss)}

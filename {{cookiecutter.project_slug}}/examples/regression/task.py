@@ -1,0 +1,46 @@
+"""The task seam for a regression whose model returns its own (mean) loss: MSE, no accuracy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .data import build_datasets
+from .loaders import move_to as to_device
+from .model import build_model
+
+__all__ = [
+    "MAIN_METRIC",
+    "build_datasets",
+    "build_model",
+    "count_terms",
+    "eval_sums",
+    "loss_sum",
+    "metrics",
+    "to_device",
+]
+
+MAIN_METRIC = ("rmse", "min")
+
+
+def count_terms(batch) -> int:
+    _, targets = batch
+    return targets.numel()  # one squared error per predicted value
+
+
+def loss_sum(model: nn.Module, batch) -> torch.Tensor:
+    features, targets = batch
+    return model(features, targets)["loss"] * targets.numel()  # the model's mean, back to a sum
+
+
+def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    features, targets = batch
+    errors = (model(features)["prediction"].float() - targets) ** 2
+    return {"squared_error": errors.sum(dim=1), "values": torch.full_like(errors[:, 0], targets.shape[1])}
+
+
+def metrics(totals: dict[str, float]) -> dict[str, float]:
+    mse = totals["squared_error"] / totals["values"]
+    return {"mse": mse, "rmse": math.sqrt(mse)}

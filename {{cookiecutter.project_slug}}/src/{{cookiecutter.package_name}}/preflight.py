@@ -1,0 +1,118 @@
+"""Check the task seam on real samples before training starts.
+
+A seam mistake (a model whose output does not fit the loss, a dataset that yields another
+structure than task.py unpacks, labels out of range) would otherwise surface as a deep
+traceback on one rank, or as a CUDA device-side assert, after the first collectives. Here
+every rank runs the same seam calls on the same first samples, on the CPU, in eval mode and
+without gradients, before the model moves to its device, and stops with one line naming the
+seam function, what it got and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from . import task
+from .config import ConfigError
+from .loaders import describe, first_samples, num_samples
+
+SAMPLES = 2  # enough to expose a batch dimension; cheap for any model on the CPU
+
+
+class TaskError(ConfigError):
+    """A mistake in the task seam (task.py, model.py, data.py); the message says what to fix."""
+
+    prefix = "task error"
+
+
+def check_task(model: nn.Module, train: tuple[Dataset, DataLoader], evaluation: tuple[Dataset, DataLoader]) -> None:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            train_batch = _batch("train", *train)
+            _check_loss(model, train_batch)
+            _check_eval(model, _batch("eval", *evaluation))
+    finally:
+        model.train(was_training)
+
+
+def _batch(name: str, dataset: Dataset, loader: DataLoader):
+    if len(dataset) == 0:
+        raise TaskError(f"build_datasets(cfg): the {name} set is empty; expected at least one sample")
+    try:
+        batch = first_samples(dataset, loader, SAMPLES)
+    except Exception as err:
+        raise TaskError(
+            f"build_datasets(cfg): the first samples of the {name} set do not load and collate into a batch "
+            f"({_error(err)}); expected every sample to hold tensors of the same shapes"
+        ) from err
+    if num_samples(batch) == 0:
+        raise TaskError(
+            f"build_datasets(cfg): a {name} batch is {describe(batch)}; expected tensors with a batch dimension"
+        )
+    return batch
+
+
+def _check_loss(model: nn.Module, batch) -> None:
+    outputs = []
+    hook = model.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    try:
+        loss = task.loss_sum(model, batch)
+    except Exception as err:
+        raise TaskError(
+            f"task.loss_sum(model, batch) raised {_error(err)}; batch {describe(batch)}"
+            + (f", model output {describe(outputs[0])}" if outputs else "")
+            + "; expected the model's output to fit the loss and the labels to be in range"
+        ) from err
+    finally:
+        hook.remove()
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        raise TaskError(
+            f"task.loss_sum(model, batch) returned {describe(loss)}; expected a scalar float tensor, the SUM "
+            f"of the loss over the batch's terms (batch {describe(batch)})"
+        )
+    try:
+        terms = float(task.count_terms(batch))
+    except Exception as err:
+        raise TaskError(f"task.count_terms(batch) raised {_error(err)}; batch {describe(batch)}") from err
+    if not terms >= 0 or not math.isfinite(terms):
+        raise TaskError(f"task.count_terms(batch) returned {terms}; expected a number of loss terms >= 0")
+
+
+def _check_eval(model: nn.Module, batch) -> None:
+    size = num_samples(batch)
+    try:
+        sums = task.eval_sums(model, batch)
+    except Exception as err:
+        raise TaskError(f"task.eval_sums(model, batch) raised {_error(err)}; batch {describe(batch)}") from err
+    if not isinstance(sums, dict) or not all(
+        isinstance(v, torch.Tensor) and tuple(v.shape) == (size,) for v in sums.values()
+    ):
+        raise TaskError(
+            f"task.eval_sums(model, batch) returned {describe(sums)}; expected a dict of tensors of shape "
+            f"({size},), one value per sample of the batch"
+        )
+    totals = {name: float(values.double().sum()) for name, values in sums.items()} | {"samples": float(size)}
+    try:
+        results = task.metrics(totals)
+        bad = not isinstance(results, dict) or not all(isinstance(float(v), float) for v in results.values())
+    except Exception as err:
+        raise TaskError(f"task.metrics(totals) raised {_error(err)}; totals had keys {sorted(totals)}") from err
+    if bad:
+        raise TaskError(f"task.metrics(totals) returned {describe(results)}; expected a dict of numbers")
+    name, goal = task.MAIN_METRIC
+    if name not in results or goal not in ("max", "min"):
+        raise TaskError(
+            f"task.MAIN_METRIC is {task.MAIN_METRIC!r}; expected (name, 'max' or 'min') with a name "
+            f"that task.metrics returns ({', '.join(results)})"
+        )
+
+
+def _error(err: Exception) -> str:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first_line}" if first_line else type(err).__name__

@@ -1,0 +1,28 @@
+"""Value rules for config fields, declared on the field itself:
+
+    batch_size: PositiveInt = 32  # per device
+    dropout: Annotated[float, Rule(lambda v: 0 <= v < 1, "use a probability in [0, 1)")] = 0.1  # ...
+
+`config.load()` checks every rule and names the key and the fix when one fails, so a new
+setting is one line in its dataclass: type, rule, default and comment together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+
+@dataclass(frozen=True)
+class Rule:
+    holds: Callable[[Any], bool]
+    fix: str  # what the user should type instead, e.g. "use at least 1"
+
+
+def at_least(low: float) -> Rule:
+    return Rule(lambda value: value >= low, f"use at least {low}")
+
+
+PositiveInt = Annotated[int, at_least(1)]
+PositiveFloat = Annotated[float, Rule(lambda value: value > 0, "use a positive number")]

@@ -1,0 +1,68 @@
+"""The task seam: everything that depends on what you train is here, in model.py and in data.py.
+
+The training loop, the smoke check and the diagnostics never name a loss or a batch layout;
+they call only these:
+
+    build_model(cfg)          -> nn.Module                                 (model.py)
+    build_datasets(cfg)       -> (train, eval) map-style datasets          (data.py)
+    to_device(batch, device)  -> the batch on the device
+    count_terms(batch)        -> how many loss terms the batch holds (samples, valid tokens, ...)
+    loss_sum(model, batch)    -> the SUM of the loss over those terms: a scalar tensor
+    eval_sums(model, batch)   -> {name: tensor of shape (samples,)}: per-sample sums
+    metrics(totals)           -> {name: value} from those sums over the whole eval set, plus
+                                 totals["samples"], the number of eval samples
+    MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
+
+Why sums and counts: the loop divides the summed loss by the number of terms over every
+rank and micro-batch of the optimizer step, so the gradient is that of one process on the
+union of the batches even when ranks hold different numbers of terms (padding, masks);
+a mean of per-rank means would weigh a rank with few terms as much as one with many.
+Evaluation sums per sample so the loop can drop the samples DistributedSampler repeats.
+`count_terms` is called on the batch as the loader yields it, before it moves to the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import build_datasets
+from .loaders import move_to as to_device
+from .model import build_model
+
+__all__ = [
+    "MAIN_METRIC",
+    "build_datasets",
+    "build_model",
+    "count_terms",
+    "eval_sums",
+    "loss_sum",
+    "metrics",
+    "to_device",
+]
+
+MAIN_METRIC = ("accuracy", "max")
+
+
+def count_terms(batch) -> int:
+    _, targets = batch
+    return len(targets)
+
+
+def loss_sum(model: nn.Module, batch) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets, reduction="sum")
+
+
+def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    inputs, targets = batch
+    logits = model(inputs).float()
+    return {
+        "loss": F.cross_entropy(logits, targets, reduction="none"),
+        "correct": (logits.argmax(dim=1) == targets).float(),
+    }
+
+
+def metrics(totals: dict[str, float]) -> dict[str, float]:
+    return {"loss": totals["loss"] / totals["samples"], "accuracy": totals["correct"] / totals["samples"]}
