@@ -7,6 +7,10 @@
       data:  rank FAULT_RANK's dataset raises when it reads a sample in step FAULT_STEP
       stall: rank FAULT_RANK sleeps FAULT_SECONDS before step FAULT_STEP (a stuck rank)
       slow:  every rank sleeps FAULT_SECONDS after each step (time to send a signal)
+    Seam mistakes, on every rank (the preflight must stop them before training):
+      wrong_output:    the model returns (B, C, 1) instead of (B, C) logits
+      wrong_structure: the datasets yield {"x": ..., "y": ...} instead of (inputs, label)
+      bad_label:       labels are shifted out of the range of classes
 The faults are injected from outside, through the task seam and the loop's own functions;
 the project's code has no test hooks and nothing in torch is patched.
 """
@@ -17,6 +21,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from {{ cookiecutter.package_name }} import task, train
 
@@ -78,7 +84,36 @@ def failing_datasets(cfg, original=task.build_datasets):
     return FailingReads(train_set), eval_set
 
 
+class Mapped:
+    """A dataset whose samples pass through `change`."""
+
+    def __init__(self, dataset, change):
+        self.dataset, self.change = dataset, change
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.change(*self.dataset[index])
+
+
+def mistaken_datasets(cfg, original=task.build_datasets):
+    if FAULT == "wrong_structure":
+        change = lambda inputs, label: {"x": inputs, "y": label}  # noqa: E731
+    else:
+        change = lambda inputs, label: (inputs, label + cfg.dataset.num_classes)  # noqa: E731
+    return tuple(Mapped(dataset, change) for dataset in original(cfg))
+
+
+def mistaken_model(cfg, original=task.build_model):
+    return torch.nn.Sequential(original(cfg), torch.nn.Unflatten(1, (-1, 1)))
+
+
 train.optimizer_step = faulty_optimizer_step
+if FAULT == "wrong_output":
+    task.build_model = mistaken_model
+if FAULT in ("wrong_structure", "bad_label"):
+    task.build_datasets = mistaken_datasets
 if FAULT == "nan":
     task.loss_sum = nan_loss_sum
 if FAULT == "data":
