@@ -41,7 +41,7 @@ class LineWindows(Dataset):
         start = last_break = 0
         for end in (i + 1 for i, byte in enumerate(text) if byte == ord("\n")):
             if end - start > context + 1:  # this line would overflow the window: close it
-                length = last_break - start if last_break > start + 1 else context + 1
+                length = min(last_break - start, context + 1) if last_break > start + 1 else context + 1
                 self.windows.append((start, length))
                 start += length
             last_break = end

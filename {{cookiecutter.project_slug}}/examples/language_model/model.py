@@ -32,7 +32,9 @@ class Block(nn.Module):
         super().__init__()
         self.heads, self.dropout = heads, dropout
         self.attention_norm, self.mlp_norm = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.projection = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        # no bias on q, k, v: a key bias shifts every score of a query alike, so softmax gives it a
+        # zero gradient that Adam would turn into rounding-noise updates
+        self.qkv, self.projection = nn.Linear(width, 3 * width, bias=False), nn.Linear(width, width)
         self.mlp = nn.Sequential(
             nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
         )

@@ -1,0 +1,113 @@
+"""The README's "Bring your own model and data" swaps, done exactly as it says: copy an
+example's seam files over src/<package>/, sync the config, then train on 2 ranks, pass the
+smoke check and keep the proofs of the distributed maths."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from conftest import PACKAGE, PROJECT, project_env, read_metrics
+
+from {{ cookiecutter.package_name }} import checkpoint
+
+SWAPS = {
+    # example -> (main metric, how good it must get on the smoke run)
+    "image_classifier": ("eval_accuracy", lambda value, _: value > 0.9),
+    "language_model": ("eval_loss", lambda value, unigram: value < unigram - 0.15),
+    "regression": ("eval_rmse", lambda value, _: value < 0.5),  # predicting zero gives about 0.67
+}
+
+
+def swap(tmp_path, example: str):
+    """A copy of this project with the example's seam files in place; the copy's own paths."""
+    project = tmp_path / "project"
+    shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns("runs", ".venv", "__pycache__", "*.egg-info"))
+    package = project / "src" / PACKAGE
+    changed = sorted(p.name for p in (project / "examples" / example).glob("*.py"))
+    for name in changed:
+        shutil.copy(project / "examples" / example / name, package / name)
+    env = project_env(PYTHONPATH=f"{package.parent}:{project / 'tests'}", CUDA_VISIBLE_DEVICES="")
+    sync = [sys.executable, "-m", f"{PACKAGE}.config", "sync", "configs/default.yaml"]
+    subprocess.run(sync, cwd=project, env=env, check=True, capture_output=True, timeout=60)
+    return project, env, changed
+
+
+def launch(project, env, *command, timeout=240):
+    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def torchrun(project, env, *args, nproc=2, timeout=240):
+    return launch(project, env, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  f"--nproc_per_node={nproc}", *args, timeout=timeout)  # fmt: skip
+
+
+def unigram_entropy(project, env) -> float:
+    """Nats per byte of the language model's evaluation text under its own byte frequencies."""
+    code = f"from {PACKAGE}.data import corpus; import sys; sys.stdout.buffer.write(corpus())"
+    text = launch(project, env, sys.executable, "-c", code).stdout.encode("latin-1", "replace")
+    counts = Counter(text)
+    return -sum(n / len(text) * math.log(n / len(text)) for n in counts.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", SWAPS)
+def test_a_swap_of_the_seam_files_trains_passes_smoke_and_keeps_the_proofs(tmp_path, example):
+    project, env, changed = swap(tmp_path, example)
+    assert set(changed) <= {"model.py", "data.py", "task.py"}  # the seam files the README names
+
+    runs = tmp_path / "runs"
+    trained = torchrun(project, env, "-m", f"{PACKAGE}.train", "--config", "configs/smoke.yaml", f"run.out_dir={runs}")
+    metric, good_enough = SWAPS[example]
+    final = [r for r in read_metrics(runs / "smoke") if metric in r][-1]
+    baseline = unigram_entropy(project, env) if example == "language_model" else None
+    assert good_enough(final[metric], baseline), (final, baseline)
+    assert "eval step 60" in trained.stdout and "done: 60 steps" in trained.stdout
+
+    smoke = launch(project, env, "bash", "scripts/smoke.sh", f"run.out_dir={tmp_path / 'smoke'}")
+    assert "smoke: PASS (0 failed)" in smoke.stdout, smoke.stdout
+
+    proofs = tmp_path / "proofs"
+    proofs.mkdir()
+    torchrun(project, env, "tests/dist_proofs.py", str(proofs))
+    result = json.loads((proofs / "proofs-2.json").read_text())
+    # parameters after 12 AdamW steps agree to fp32 rounding (embeddings of norm ~1 drift by ~1e-6)
+    for proof, tolerance in (("equivalence", 1e-5), ("accumulation", 1e-5), ("weighting", 1e-6)):
+        assert result[proof]["max_difference"] < tolerance, (proof, result[proof])
+
+
+@pytest.mark.slow
+def test_the_language_model_swap_resumes_bit_identically_and_evaluates_exactly(tmp_path):
+    project, env, _ = swap(tmp_path, "language_model")
+    common = ["--config", "configs/smoke.yaml", "checkpoint.every_steps=10", "checkpoint.keep_last=10"]
+    torchrun(project, env, "-m", f"{PACKAGE}.train", *common, f"run.out_dir={tmp_path / 'straight'}")
+    crash = dict(env, FAULT="crash", FAULT_RANK="1", FAULT_STEP="35")
+    crashed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/faulty_train.py",
+         *common, f"run.out_dir={tmp_path / 'resumed'}"],
+        cwd=project, env=crash, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert crashed.returncode != 0 and "injected crash in step 35" in crashed.stderr
+    resumed = torchrun(project, env, "-m", f"{PACKAGE}.train", *common, f"run.out_dir={tmp_path / 'resumed'}")
+    assert "step_00000030.pt at step 30" in resumed.stdout
+    straight, again = (
+        checkpoint.load_file(tmp_path / run / "smoke" / "checkpoints" / "step_00000060.pt")
+        for run in ("straight", "resumed")
+    )
+    for name, tensor in straight["model"].items():
+        assert tensor.equal(again["model"][name]), name
+
+    evals = {}
+    for nproc in (1, 2, 3):
+        out = tmp_path / f"eval{nproc}"
+        out.mkdir()
+        torchrun(project, env, "tests/dist_proofs.py", str(out), "--only", "eval", nproc=nproc)
+        evals[nproc] = json.loads((out / f"proofs-{nproc}.json").read_text())["eval"]
+    assert {e["eval_samples"] for e in evals.values()} == {evals[1]["dataset_size"]}
+    losses = [e["eval_loss"] for e in evals.values()]
+    assert max(losses) - min(losses) < 1e-6
