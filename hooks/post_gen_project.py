@@ -3,13 +3,19 @@
 1. resolve the answers into config values (the only place this happens),
 2. write them into configs/default.yaml, keeping its comments,
 3. remove the per-project files that were not chosen (one table),
-4. print a short summary.
+4. record the answers and the template commit in .cookiecutter.json,
+5. print a short summary.
+
+cruft runs this hook again on both renders it diffs for `cruft update`, so a file removed here
+stays out of the project after an update, even one the template adds to OPTIONAL_FILES later.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +27,8 @@ OPTIONAL_FILES = [
     ("slurm", False, ["scripts/train.sbatch", "tests/test_sbatch.py"]),
     ("license", "none", ["LICENSE"]),
 ]
+# cookiecutter's replay format (`cookiecutter --replay-file`), plus the template commit for `cruft link`
+ANSWERS_FILE = ".cookiecutter.json"
 
 
 def resolve(answers: dict) -> tuple[dict, list[str]]:
@@ -83,6 +91,38 @@ def remove_unchosen(project: Path, answers: dict) -> list[str]:
     return removed
 
 
+def answers_record(answers: dict, commit: str | None) -> str:
+    """The answers as a replay file; private keys (machine paths, cruft's bookkeeping) are left
+    out so that every render with the same answers and commit writes the same bytes."""
+    chosen = {key: value for key, value in answers.items() if not key.startswith("_")}
+    return json.dumps({"cookiecutter": chosen, "template_commit": commit}, indent=2) + "\n"
+
+
+def template_commit(answers: dict) -> str | None:
+    """The template's git commit: cruft passes it in; under plain cookiecutter it is the HEAD of
+    the template's checkout, marked "-dirty" when the files there differ from that commit."""
+    if answers.get("_commit"):
+        return answers["_commit"]
+    repo = answers.get("_repo_dir") or ""
+    # a relative path is relative to where cookiecutter ran, which this hook (run in the project) cannot know
+    if not os.path.isabs(repo) or not _git(repo, "ls-files", "cookiecutter.json"):
+        return None  # no git checkout that holds this template: better no commit than a wrong one
+    head = _git(repo, "rev-parse", "HEAD")
+    if not head:
+        return None
+    return f"{head}-dirty" if _git(repo, "status", "--porcelain", "--", ".") else head
+
+
+def _git(cwd: str, *args: str) -> str | None:
+    """stdout of a read-only git command, or None where git or the repository is missing."""
+    command = ["git", "--no-optional-locks", *args]  # no index refresh: never blocks a commit there
+    try:
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
 def summary(answers: dict, settings: dict, notes: list[str]) -> str:
     on_off = {True: "on", False: "off"}
     world = settings["dist.gpus_per_node"] * settings["dist.num_nodes"]
@@ -109,6 +149,7 @@ def main() -> int:
     config_path = project / "configs" / "default.yaml"
     config_path.write_text(set_yaml_values(config_path.read_text(), settings))
     remove_unchosen(project, answers)
+    (project / ANSWERS_FILE).write_text(answers_record(answers, template_commit(answers)))
     print(summary(answers, settings, notes))
     return 0
 

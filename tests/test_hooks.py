@@ -1,5 +1,8 @@
 """The hooks' functions, imported and tested directly."""
 
+import json
+import subprocess
+
 import pytest
 import yaml
 from conftest import TEMPLATE, load_hook
@@ -119,3 +122,36 @@ def test_summary_states_the_global_batch_and_next_steps():
     settings, notes = post.resolve(answers(gpus_per_node="4", num_nodes="2", grad_accum_steps="2"))
     text = post.summary(answers(), settings, notes)
     assert "32 x 8 x 2 = 512" in text and "scripts/smoke.sh" in text and "SyncBatchNorm on" in text
+
+
+def test_answers_record_is_a_replay_file_without_private_keys():
+    made_with = answers(_template="gh:me/ddp-template", _output_dir="/home/me", _commit="abc123")
+    record = post.answers_record(made_with, "abc123")
+    assert json.loads(record) == {"cookiecutter": DEFAULTS, "template_commit": "abc123"}
+    assert record.endswith("}\n")
+
+
+def test_template_commit_prefers_the_one_cruft_passes(tmp_path):
+    assert post.template_commit(answers(_commit="abc123", _repo_dir=str(tmp_path))) == "abc123"
+    assert post.template_commit(answers(_repo_dir=str(tmp_path))) is None  # not a git checkout
+    assert post.template_commit(answers()) is None
+
+
+def test_template_commit_is_the_checkouts_head_marked_dirty_after_edits(tmp_path, monkeypatch):
+    for role in ("AUTHOR", "COMMITTER"):
+        monkeypatch.setenv(f"GIT_{role}_NAME", "Template Test")
+        monkeypatch.setenv(f"GIT_{role}_EMAIL", "test@example.invalid")
+    template = tmp_path / "template"
+    template.mkdir()
+    (template / "cookiecutter.json").write_text("{}")
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "template"]):
+        subprocess.run(["git", *command], cwd=template, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=template, capture_output=True, text=True).stdout.strip()
+    assert post.template_commit(answers(_repo_dir=str(template))) == head
+    (template / "cookiecutter.json").write_text('{"changed": 1}')
+    assert post.template_commit(answers(_repo_dir=str(template))) == f"{head}-dirty"
+    monkeypatch.chdir(tmp_path)  # where cookiecutter ran; the hook runs elsewhere, in the project
+    assert post.template_commit(answers(_repo_dir="template")) is None
+    (template / "inner").mkdir()
+    (template / "inner" / "cookiecutter.json").write_text("{}")  # a template git does not track
+    assert post.template_commit(answers(_repo_dir=str(template / "inner"))) is None

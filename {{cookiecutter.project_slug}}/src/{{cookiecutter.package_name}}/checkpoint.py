@@ -9,6 +9,8 @@ renamed), so a crash at any moment leaves the previous ones intact.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import signal
@@ -195,9 +197,59 @@ def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo) -> Pa
     return chosen
 
 
-def export_weights(checkpoint: str | Path, output: str | Path) -> None:
-    """Write only the model's state_dict, loadable with `model.load_state_dict(torch.load(output))`."""
-    torch.save(load_file(checkpoint)["model"], output)
+# how to load each export format for inference; neither needs this project's code
+EXPORT_LOADERS = {
+    "pt": "model.load_state_dict(torch.load(path, weights_only=True))",
+    "safetensors": "model.load_state_dict(safetensors.torch.load_file(path))",
+}
+
+
+def export_weights(checkpoint: str | Path, output: str | Path, fmt: str | None = None) -> str:
+    """Write only the model's weights, as a plain state_dict ("pt") or safetensors; returns the format.
+
+    Without `fmt`, an output ending in .safetensors gets safetensors. Its metadata records the step,
+    a digest of the training config and the torch version; safetensors holds no pickled objects.
+    """
+    payload = load_file(checkpoint)
+    fmt = fmt or ("safetensors" if Path(output).suffix == ".safetensors" else "pt")
+    if fmt == "safetensors":
+        _save_safetensors(payload, output)
+    else:
+        torch.save(payload["model"], output)
+    return fmt
+
+
+def config_digest(config: dict) -> str:
+    """sha256 of the config as sorted JSON: equal digests mean equal training settings."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _save_safetensors(payload: dict, output: str | Path) -> None:
+    try:
+        from safetensors.torch import save_file  # optional: only this export needs it
+    except ImportError:
+        raise ImportError(
+            "safetensors is not installed: pip install safetensors (the project's [export] extra), "
+            "or export to a .pt file"
+        ) from None
+    metadata = {
+        "format": "pt",  # what Hugging Face loaders check before reading a torch safetensors file
+        "step": str(payload["step"]),
+        "config_sha256": config_digest(payload["config"]),
+        "torch_version": torch.__version__,  # of the export; the checkpoint does not record training's
+    }
+    save_file(_unshared(payload["model"]), str(output), metadata=metadata)
+
+
+def _unshared(weights: dict) -> dict:
+    """Contiguous tensors with a storage each: safetensors refuses tied weights (two names, one
+    storage), so later names get a copy; load_state_dict fills the tied parameter from either."""
+    seen, result = set(), {}
+    for name, tensor in weights.items():
+        storage = tensor.untyped_storage().data_ptr()
+        result[name] = tensor.clone(memory_format=torch.contiguous_format) if storage in seen else tensor.contiguous()
+        seen.add(storage)
+    return result
 
 
 class PreemptionFlag:
@@ -216,16 +268,20 @@ class PreemptionFlag:
 
 
 def main(argv=None) -> int:
-    """python -m {{ cookiecutter.package_name }}.checkpoint export CHECKPOINT OUTPUT"""
+    """python -m {{ cookiecutter.package_name }}.checkpoint export CHECKPOINT OUTPUT [--format FORMAT]"""
     import argparse
 
-    parser = argparse.ArgumentParser(description="Export a checkpoint's model weights as a plain state_dict.")
+    parser = argparse.ArgumentParser(description="Export a checkpoint's model weights for inference.")
     parser.add_argument("command", choices=["export"])
     parser.add_argument("checkpoint")
-    parser.add_argument("output")
+    parser.add_argument("output", help="a .safetensors name selects safetensors; any other a plain state_dict")
+    parser.add_argument("--format", choices=sorted(EXPORT_LOADERS), help="overrides the choice by suffix")
     args = parser.parse_args(argv)
-    export_weights(args.checkpoint, args.output)
-    print(f"wrote {args.output}: load it with model.load_state_dict(torch.load(path, weights_only=True))")
+    try:
+        fmt = export_weights(args.checkpoint, args.output, args.format)
+    except ImportError as err:
+        raise SystemExit(f"error: {err}") from None
+    print(f"wrote {args.output}: load it with {EXPORT_LOADERS[fmt]}")
     return 0
 
 
