@@ -236,9 +236,5 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli() -> None:
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())

@@ -212,9 +212,5 @@ def main(argv=None) -> int:
     return 1 if any(verdict == FAIL for _, verdict, _ in results) else 0
 
 
-def cli() -> None:
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    cli()
+    sys.exit(main())
