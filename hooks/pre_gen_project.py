@@ -72,6 +72,17 @@ def _suggest(text: str, sep: str) -> str:
     return suggestion or "my" + sep + "project"
 
 
+def check_one_line(answers: dict, key: str) -> str | None:
+    """Free text is written escaped into TOML and Python; only line breaks and control
+    characters cannot be carried into a one-line title, description or author."""
+    text = str(answers[key])
+    if not text.strip():
+        return f"{key} is empty: type a few words"
+    if any(ord(char) < 32 or ord(char) == 127 for char in text):
+        return f"{key} {text!r} holds a line break or control character: type it on one line"
+    return None
+
+
 def check_count(answers: dict, key: str, maximum: int) -> str | None:
     raw = str(answers[key]).strip()
     if not re.fullmatch(r"\d+", raw):
@@ -90,6 +101,7 @@ def validate(answers: dict) -> tuple[list[str], list[str]]:
         check_count(answers, "num_nodes", MAX_NODES),
         check_count(answers, "grad_accum_steps", 1024),
         check_count(answers, "per_device_batch_size", 65536),
+        *(check_one_line(answers, key) for key in ("project_name", "description", "author")),
     ]
     errors = [e for e in errors if e]
     warnings = []

@@ -16,30 +16,14 @@ import json
 from pathlib import Path
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from {{ cookiecutter.package_name }} import checkpoint, config, dist, loaders, optim, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.smoke import CommCounter, counting_allreduce_hook
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
-
-
-class SyncCounter:
-    """Bucket all-reduces seen by DDP's comm hook, grouped by the backward pass that sent them."""
-
-    def __init__(self):
-        self.pending = 0
-        self.buckets_per_sync: list[int] = []
-
-
-def counting_hook(counter: SyncCounter, bucket):
-    counter.pending += 1
-    if bucket.is_last():
-        counter.buckets_per_sync.append(counter.pending)
-        counter.pending = 0
-    return default_hooks.allreduce_hook(None, bucket)
 
 
 def rank_shards(train_set, cfg, world_size: int) -> list[list[int]]:
@@ -107,8 +91,8 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
         out, overrides, f"run.name=accum{accum}", f"train.grad_accum_steps={accum}", f"train.max_steps={steps}"
     )
     job = train.build(cfg, info)
-    counter = SyncCounter()
-    job.model.register_comm_hook(counter, counting_hook)
+    counter = CommCounter()
+    job.model.register_comm_hook(counter, counting_allreduce_hook)
     train.fit(job, cfg, info, train.training_log(job, cfg, info), checkpoint.PreemptionFlag(signals=()))
     reference = single_process_reference(cfg, info.world_size, steps)
     return {

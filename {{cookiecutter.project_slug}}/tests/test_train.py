@@ -104,8 +104,10 @@ def test_bf16_on_an_unsupported_gpu_is_a_config_error(monkeypatch):
 
 @needs_cuda
 def test_cuda_run_binds_its_device_and_uses_nccl(tmp_path):
-    result = torchrun(*train_args(tmp_path, "train.max_steps=10"), nproc=min(2, torch.cuda.device_count()), timeout=300)
-    assert "backend nccl" in result.stdout or torch.cuda.device_count() == 1
+    nproc = min(2, torch.cuda.device_count())
+    result = torchrun(*train_args(tmp_path, "train.max_steps=10"), nproc=nproc, timeout=300)
+    backend = "nccl" if nproc > 1 else "none"  # a world of one has no process group
+    assert f"backend {backend}, device cuda:0" in result.stdout
 
 
 @needs_two_gpus
@@ -150,6 +152,16 @@ def test_the_generated_default_config_trains(tmp_path):
     assert "eval accuracy: best" in result.stdout
 
 
+@pytest.fixture
+def torch_globals(monkeypatch):
+    """train.build sets process-wide torch settings; put them back for the other tests."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("torch_globals")
 @pytest.mark.parametrize("flag", [True, False])
 def test_cudnn_benchmark_follows_the_config(flag):
     cfg = config.load(SMOKE_CONFIG, [f"train.cudnn_benchmark={str(flag).lower()}"])
@@ -157,6 +169,7 @@ def test_cudnn_benchmark_follows_the_config(flag):
     assert torch.backends.cudnn.benchmark is flag
 
 
+@pytest.mark.usefixtures("torch_globals")
 def test_optimizer_step_frees_the_gradients():
     cfg = config.load(SMOKE_CONFIG)
     job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))

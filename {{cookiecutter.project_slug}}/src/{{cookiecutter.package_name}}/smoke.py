@@ -47,12 +47,24 @@ def gradient_digest(model: torch.nn.Module) -> str:
 
 
 class CommCounter:
-    syncs = 0  # all-reducing backward passes seen
+    """Bucket all-reduces seen by DDP's comm hook, grouped by the backward pass that sent them."""
+
+    def __init__(self):
+        self.pending = 0
+        self.buckets_per_sync: list[int] = []
+
+    @property
+    def syncs(self) -> int:
+        """All-reducing backward passes: each ends with DDP's last bucket."""
+        return len(self.buckets_per_sync)
 
 
 def counting_allreduce_hook(counter: CommCounter, bucket):
-    """DDP comm hook: count one sync per backward (its last bucket), then all-reduce as usual."""
-    counter.syncs += bucket.is_last()
+    """DDP comm hook: count the bucket, then all-reduce it as DDP would."""
+    counter.pending += 1
+    if bucket.is_last():
+        counter.buckets_per_sync.append(counter.pending)
+        counter.pending = 0
     return default_hooks.allreduce_hook(None, bucket)
 
 
