@@ -1,4 +1,4 @@
-"""Complete, atomic, rank-0 checkpoints; auto-resume; preemption (P25, P27).
+"""Complete, atomic, rank-0 checkpoints; auto-resume; preemption.
 
 Layout under the run directory:
     checkpoints/step_00000500.pt   full training state at optimizer step 500

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule for a given global batch (P21-P23)."""
+"""Optimizer and learning-rate schedule for a given global batch."""
 
 from __future__ import annotations
 
