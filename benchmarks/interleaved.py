@@ -15,7 +15,6 @@ import torch.distributed as torch_dist
 from bare_loop import BareLoop
 from ddp_trainer import checkpoint, config, dist, train
 from ddp_trainer.dist import DistInfo
-from ddp_trainer.metrics import TrainingLog
 
 
 def timed(run) -> tuple[float, float]:
@@ -46,12 +45,12 @@ def main():
     dist.init(info, cfg.dist.timeout_minutes)
     job = train.build(cfg, info)  # sets the threads per rank (1 here) as a real run does
     bare = BareLoop(cfg)
-    log = TrainingLog(info, cfg.run_dir / "metrics.jsonl", cfg.train.max_steps)
+    log = train.training_log(job, cfg, info)
     never_preempted = checkpoint.PreemptionFlag(signals=())
 
     def ours():
-        stop = job.state.step + args.chunk_steps
-        train.train_one_epoch(job.state, job.model, job.train_loader, cfg, info, log, never_preempted, stop)
+        job.total_steps = job.state.step + args.chunk_steps  # the chunk ends like a run at its last step
+        train.train_one_epoch(job, cfg, info, log, never_preempted)
 
     def baseline():
         bare.run(args.chunk_steps)
@@ -65,6 +64,7 @@ def main():
     if info.is_main:
         with open(os.environ["BENCH_TIMINGS"], "w") as f:
             json.dump({"chunk_steps": args.chunk_steps, **times}, f)
+    log.close()
     dist.teardown(info)
 
 

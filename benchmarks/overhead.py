@@ -86,7 +86,7 @@ def common_overrides(out: Path, steps: int) -> list[str]:
         "run.name=bench",
         f"train.max_steps={steps}",
         "train.epochs=1",
-        "data.train_samples=200000",
+        "dataset.train_samples=200000",
         "checkpoint.resume=never",
         f"checkpoint.every_steps={steps}",
         "data.num_workers=0",
