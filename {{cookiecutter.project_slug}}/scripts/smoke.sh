@@ -5,7 +5,4 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-NPROC_PER_NODE="${NPROC_PER_NODE:-$(default_nproc_per_node)}"
-export_threads_per_process "$NPROC_PER_NODE"
-exec torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m {{ cookiecutter.package_name }}.smoke \
-  --config configs/smoke.yaml "$@"
+launch_node --standalone -m {{ cookiecutter.package_name }}.smoke --config configs/smoke.yaml "$@"

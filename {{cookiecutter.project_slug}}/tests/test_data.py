@@ -5,7 +5,7 @@ import torch
 from conftest import SMOKE_CONFIG, TINY
 from torch.utils.data import DistributedSampler
 
-from {{ cookiecutter.package_name }} import config, data, loaders
+from {{ cookiecutter.package_name }} import config, data, dist, loaders
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 
@@ -22,9 +22,12 @@ def test_workers_per_rank_rule(cpus, local_ranks, cap, expected):
     assert loaders.workers_per_rank(cpus, local_ranks, cap) == expected
 
 
-def test_threads_per_rank_share_the_cpus():
-    assert loaders.threads_per_rank(16, 8) == 2
-    assert loaders.threads_per_rank(2, 4) == 1
+def test_a_users_omp_num_threads_wins_over_the_cpu_share(monkeypatch):
+    monkeypatch.setattr(dist, "cpus_available", lambda: 16)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert dist.intra_op_threads(8) == 2 and dist.intra_op_threads(32) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert dist.intra_op_threads(8) == 5
 
 
 def build(rank, world, *overrides, workers=0):

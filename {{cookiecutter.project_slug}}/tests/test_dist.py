@@ -1,9 +1,14 @@
-"""P1-P5: the environment torchrun sets, backend by hardware, device binding, seeding."""
+"""The environment torchrun sets, backend by hardware, device binding, seeding; the store each
+restart uses, CPUs under SLURM, preemption reporting, the shared run directory."""
+
+import signal
+import sys
 
 import pytest
 import torch
+from conftest import project_env, run
 
-from {{ cookiecutter.package_name }} import dist
+from {{ cookiecutter.package_name }} import checkpoint, dist, launch
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 TORCHRUN_ENV = {
@@ -37,22 +42,74 @@ def test_gpu_nodes_use_nccl_and_the_local_rank_picks_the_device(monkeypatch):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     info = DistInfo.from_env()
-    assert info.backend == "nccl"  # never gloo on GPUs (P2)
-    assert info.device == torch.device("cuda", 1)  # local rank, not global rank 9 (P3)
+    assert info.backend == "nccl"  # never gloo on GPUs
+    assert info.device == torch.device("cuda", 1)  # local rank, not global rank 9
 
 
-def test_init_binds_the_device_right_after_joining(monkeypatch):
+def fake_init(monkeypatch, visible_gpus=2):
     calls = []
-    monkeypatch.setattr(dist.torch_dist, "rendezvous", lambda *a, **k: iter([(object(), 0, 2)]))
-    monkeypatch.setattr(dist.torch_dist, "PrefixStore", lambda prefix, store: prefix)
+    monkeypatch.setattr(dist.torch_dist, "rendezvous", lambda *a, **k: iter([("store", 0, 2)]))
+    monkeypatch.setattr(dist.torch_dist, "PrefixStore", lambda prefix, store: f"{prefix}{store}")
     monkeypatch.setattr(dist.torch_dist, "init_process_group", lambda **kw: calls.append(("init", kw)))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible_gpus)
+    return calls
+
+
+def test_init_binds_the_device_first_and_tells_the_process_group(monkeypatch):
+    calls = fake_init(monkeypatch)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     info = DistInfo(1, 1, 2, 2, torch.device("cuda", 1), "nccl", restart=3)
     dist.init(info, timeout_minutes=0.5)
-    (first, options), second = calls
-    assert first == "init" and second == ("set_device", torch.device("cuda", 1))
-    assert options["backend"] == "nccl" and options["timeout"].total_seconds() == 30  # P4
-    assert options["store"] == "attempt3/" and (options["rank"], options["world_size"]) == (1, 2)
+    first, (second, options) = calls
+    assert first == ("set_device", torch.device("cuda", 1)) and second == "init"  # before the first collective
+    assert options["device_id"] == torch.device("cuda", 1)  # NCCL knows its GPU instead of guessing
+    assert options["backend"] == "nccl" and options["timeout"].total_seconds() == 30
+    assert options["store"] == "attempt3/store" and (options["rank"], options["world_size"]) == (1, 2)
+
+
+def test_cpu_ranks_bind_nothing_and_pass_no_device(monkeypatch):
+    calls = fake_init(monkeypatch, visible_gpus=0)
+    dist.init(DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo"), timeout_minutes=1)
+    ((name, options),) = calls
+    assert name == "init" and options["device_id"] is None
+
+
+@pytest.mark.parametrize(("agent_store", "prefix"), [("False", ""), ("True", "attempt2/"), (None, "attempt2/")])
+def test_store_prefix_only_where_the_agents_store_outlives_restarts(monkeypatch, agent_store, prefix):
+    # torchrun sets TORCHELASTIC_USE_AGENT_STORE=False when every rendezvous round gets a fresh
+    # store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the node launcher sets): no prefix, so
+    # nodes whose restart counts differ (one rejoined, the other only saw it rejoin) still meet
+    if agent_store is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+    assert dist.store_prefix(DistInfo(0, 0, 2, 1, torch.device("cpu"), "gloo", restart=2)) == prefix
+
+
+def test_the_launcher_asks_torchrun_for_a_fresh_store_per_round():
+    _, env = launch.prepare(["-m", "x"], {}, gpus=0, affinity=4)
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "local_world", "visible", "ok"),
+    [(0, 1, 1, True), (3, 4, 4, True), (4, 8, 4, False), (0, 8, 4, False), (0, 2, 0, False)],
+)
+def test_a_rank_without_a_gpu_of_its_own_is_refused(monkeypatch, local_rank, local_world, visible, ok):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    info = DistInfo(local_rank, local_rank, local_world, local_world, torch.device("cuda", local_rank), "nccl")
+    problem = dist.device_problem(info)
+    assert (problem is None) == ok
+    if not ok:
+        assert f"{visible} GPU(s) visible" in problem and "NPROC_PER_NODE" in problem
+        with pytest.raises(RuntimeError, match="GPU"):
+            dist.bind_device(info)
+
+
+def test_cpu_ranks_need_no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert dist.device_problem(DistInfo(3, 3, 8, 8, torch.device("cpu"), "gloo")) is None
 
 
 def test_same_seed_gives_the_same_weights():
@@ -65,5 +122,97 @@ def test_same_seed_gives_the_same_weights():
 
 @pytest.mark.parametrize("affinity", [{0}, {0, 1, 2, 3}])
 def test_cpus_follow_the_affinity_mask(monkeypatch, affinity):
-    monkeypatch.setattr(dist.os, "sched_getaffinity", lambda pid: affinity, raising=False)
+    for name in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: affinity, raising=False)
     assert dist.cpus_available() == len(affinity)
+
+
+def test_cpus_are_capped_by_slurms_allocation_where_slurm_does_not_bind(monkeypatch):
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "32")
+    assert dist.cpus_available() == 16
+
+
+def test_preemption_is_reported_to_the_launcher_with_exit_0(monkeypatch, tmp_path):
+    ignored = []
+    monkeypatch.setattr(dist.signal, "signal", lambda sig, handler: ignored.append((sig, handler)))
+    marker = tmp_path / "preempted"
+    monkeypatch.setenv(dist.PREEMPTION_MARKER_ENV, str(marker))
+    # exit 0: torchrun restarts workers that exit non-zero, and on several nodes the restarted
+    # ones wait for a rendezvous the stopped nodes never join; the launcher exits 75 instead
+    assert dist.report_preemption(checkpoint.PREEMPTED_EXIT_CODE) == 0 and marker.exists()
+    monkeypatch.delenv(dist.PREEMPTION_MARKER_ENV)
+    assert dist.report_preemption(checkpoint.PREEMPTED_EXIT_CODE) == checkpoint.PREEMPTED_EXIT_CODE
+    # from then on a late stop signal cannot kill the rank while Python drops its handlers at exit
+    assert ignored[-1] == (launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
+
+
+def test_a_new_attempt_forgets_a_preemption_the_previous_one_reported(monkeypatch, tmp_path):
+    # torchrun stops healthy workers with SIGTERM when another node rejoins; they may checkpoint and
+    # report a preemption, but the restarted attempt finishing must end the launcher with 0
+    marker = tmp_path / "preempted"
+    marker.touch()
+    monkeypatch.setenv(dist.PREEMPTION_MARKER_ENV, str(marker))
+    fake_init(monkeypatch, visible_gpus=0)
+    dist.init(DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo"), timeout_minutes=1)
+    assert not marker.exists()
+
+
+def test_launcher_and_workers_agree_on_the_preemption_contract():
+    assert launch.PREEMPTED_EXIT_CODE == checkpoint.PREEMPTED_EXIT_CODE
+    assert dist.PREEMPTION_MARKER_ENV == launch.MARKER_ENV
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    flag = checkpoint.PreemptionFlag()  # the workers' handler covers the signal the launcher sends
+    try:
+        assert signal.getsignal(launch.WORKER_STOP_SIGNAL) == flag._handle
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_loader_workers_ignore_the_preemption_signal():
+    previous = signal.getsignal(launch.WORKER_STOP_SIGNAL)
+    try:
+        dist.quiet_loader_worker(0)
+        assert signal.getsignal(launch.WORKER_STOP_SIGNAL) == signal.SIG_IGN
+    finally:
+        signal.signal(launch.WORKER_STOP_SIGNAL, previous)
+
+
+def test_shared_dir_check_is_free_on_one_node(tmp_path):
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    assert dist.shared_dir_problem(info, tmp_path) is None
+
+
+SHARED_DIR_PROOF = """
+import dataclasses
+import sys
+from pathlib import Path
+from {{ cookiecutter.package_name }} import dist
+from {{ cookiecutter.package_name }}.dist import DistInfo
+
+info = DistInfo.from_env()
+dist.init(info, timeout_minutes=1)
+info = dataclasses.replace(info, local_world_size=1)  # as each rank sees it on two nodes of one process
+base = Path(sys.argv[1])
+shared = dist.shared_dir_problem(info, base / "shared")
+# a node-local disk: the same path name, a different directory on each node
+local = dist.shared_dir_problem(info, base / f"node{info.rank}")
+dist.print0(info, f"shared={shared}")
+dist.print0(info, f"local={local}")
+dist.teardown(info)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_directory_not_shared_by_the_nodes_is_found_on_every_rank(tmp_path):
+    proof = tmp_path / "proof.py"
+    proof.write_text(SHARED_DIR_PROOF)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    result = run([*command, str(proof), str(tmp_path)], env=project_env(), timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "shared=None" in result.stdout
+    assert "local=run.out_dir: ranks [1] cannot see" in result.stdout and "shared by all nodes" in result.stdout

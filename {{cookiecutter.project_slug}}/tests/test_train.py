@@ -1,6 +1,7 @@
 """End-to-end training runs: the launch users run, each precision, compile, NaN handling."""
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,7 +98,10 @@ def test_compile_really_compiles_and_checkpoints_have_no_prefix(tmp_path):
 def test_bf16_on_an_unsupported_gpu_is_a_config_error(monkeypatch):
     cfg = config.load(None, ["train.precision=bf16"])
     cuda_info = DistInfo(0, 0, 1, 1, torch.device("cuda", 0), "none")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    volta = SimpleNamespace(name="Tesla V100-SXM2-32GB", major=7, minor=0, uuid="GPU-a")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: volta)
     with pytest.raises(config.ConfigError, match="use train.precision=fp16"):
         train.check_hardware(cfg, cuda_info)
 

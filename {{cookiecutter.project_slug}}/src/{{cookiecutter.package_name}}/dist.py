@@ -10,12 +10,19 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import secrets
+import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+
+from . import launch
+
+PREEMPTION_MARKER_ENV = launch.MARKER_ENV  # set by the node launcher; see report_preemption
 
 
 @dataclass(frozen=True)
@@ -54,20 +61,61 @@ class DistInfo:
         )
 
 
+def device_problem(info: DistInfo) -> str | None:
+    """Why this rank has no GPU of its own, or None: more processes on the node than GPUs
+    would put two ranks on one GPU (out of memory, or NCCL refusing a duplicate device)."""
+    if info.device.type != "cuda":
+        return None
+    visible = torch.cuda.device_count()
+    if info.local_world_size <= visible and info.local_rank < visible:
+        return None
+    return (
+        f"{info.local_world_size} processes on this node (local rank {info.local_rank}) but {visible} GPU(s) "
+        f"visible: start at most {visible} (NPROC_PER_NODE, --nproc-per-node) or make more GPUs visible"
+    )
+
+
+def bind_device(info: DistInfo) -> None:
+    """Make this rank's GPU the current device (P3); call it before anything touches CUDA:
+    unbound, every rank opens a context (and allocates) on GPU 0."""
+    if info.device.type == "cuda":
+        problem = device_problem(info)
+        if problem:
+            raise RuntimeError(problem)
+        torch.cuda.set_device(info.device)
+
+
 def init(info: DistInfo, timeout_minutes: float) -> None:
-    """Join the process group and bind this process to its own device (P1-P4)."""
+    """Bind this process to its own device, then join the process group (P1-P4)."""
+    bind_device(info)  # first: the process group then knows its device instead of guessing one
+    forget_earlier_preemption()
     if info.distributed:
         timeout = datetime.timedelta(minutes=timeout_minutes)
         store, _, _ = next(torch_dist.rendezvous("env://", timeout=timeout))
-        # torchrun keeps its store across restarts; a fresh prefix per attempt stops restarted
-        # workers from reading the addresses their dead predecessors published
-        store = torch_dist.PrefixStore(f"attempt{info.restart}/", store)
+        prefix = store_prefix(info)
         torch_dist.init_process_group(
-            backend=info.backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout
+            backend=info.backend,
+            store=torch_dist.PrefixStore(prefix, store) if prefix else store,
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            device_id=info.device if info.device.type == "cuda" else None,  # NCCL: this GPU, no guess
         )
-    if info.device.type == "cuda":
-        # right after init: without it every rank allocates on GPU 0
-        torch.cuda.set_device(info.device)
+
+
+def store_prefix(info: DistInfo) -> str:
+    """A key prefix that no dead worker of an earlier attempt has written under.
+
+    The node launcher has torchrun give every rendezvous round a fresh store (served by that
+    round's rank 0: TORCHELASTIC_USE_AGENT_STORE=False), so nothing stale can be read. Where
+    workers share the agents' long-lived store instead (plain torchrun, static rendezvous),
+    the restart count is the only per-attempt value in the environment; it is one node's count,
+    though, and a node that restarts because another one rejoined does not count it (torch's
+    "membership changes do not count as retries"), so multi-node restarts need the launcher.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        return ""
+    return f"attempt{info.restart}/"
 
 
 def teardown(info: DistInfo) -> None:
@@ -85,11 +133,92 @@ def seed_everything(seed: int) -> None:
 
 
 def cpus_available() -> int:
-    """CPUs this process may run on (respects taskset, cgroups cpusets and SLURM binding)."""
+    """CPUs this process may run on: the affinity mask (taskset, cgroups cpusets, SLURM binding),
+    capped by SLURM's allocation where SLURM does not bind (the node launcher sizes threads alike)."""
+    return launch.job_cpus(os.environ, launch.affinity_cpus())
+
+
+def intra_op_threads(local_world_size: int) -> int:
+    """Threads for one rank: OMP_NUM_THREADS when set (the user's, or the node launcher's),
+    else the rank's share of the CPUs, so ranks on a node do not oversubscribe them."""
+    chosen = launch.positive_int(os.environ.get("OMP_NUM_THREADS"))
+    return chosen or launch.threads_per_process(cpus_available(), local_world_size)
+
+
+def report_preemption(exit_code: int) -> int:
+    """The exit code of a rank stopped by a preemption request, after its checkpoint.
+
+    Under the node launcher the rank reports the preemption in the launcher's marker file and
+    exits 0: torchrun treats any other code as a failure and restarts the workers, and on a
+    node that restarts, the workers wait for a rendezvous that the stopped nodes never join.
+    The launcher then exits with `exit_code` itself. Launched any other way, the rank exits
+    with `exit_code`.
+    """
+    # done: a late stop signal must not kill the rank while Python shuts down and drops its handlers
+    signal.signal(launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
+    marker = os.environ.get(PREEMPTION_MARKER_ENV)
+    if not marker:
+        return exit_code
+    Path(marker).touch()
+    return 0
+
+
+def forget_earlier_preemption() -> None:
+    """A new attempt has started (torchrun restarted the workers after a failure or a rejoin,
+    when its SIGTERM may have made the old ones checkpoint and report a preemption): only this
+    attempt's outcome decides whether the node launcher exits 75."""
+    marker = os.environ.get(PREEMPTION_MARKER_ENV)
+    if marker:
+        Path(marker).unlink(missing_ok=True)
+
+
+def quiet_loader_worker(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: loader workers ignore the preemption signal. SLURM delivers
+    it to every process of the step, and a loader worker that dies of it crashes its rank's
+    next batch; the rank itself handles it (checkpoint.PreemptionFlag)."""
+    signal.signal(launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
+
+
+def shared_dir_problem(info: DistInfo, directory: Path) -> str | None:
+    """Why `directory` is not one directory for all ranks, or None; every rank must call it.
+
+    Rank 0 writes checkpoints and every rank loads them to resume, so on several nodes the run
+    directory must be on a filesystem all nodes share (NFS, Lustre, GPFS...), not a local disk.
+    """
+    if not torch_dist.is_initialized() or info.local_world_size == info.world_size:
+        return None  # one node: its ranks see its disk
+    token = broadcast_object(secrets.token_hex(8))
+    probe = Path(directory) / f".shared-{token}"
+    if info.is_main:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token)
+    barrier()
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+        seen = probe.read_text() == token
+    except OSError:
+        seen = False
+    missing = [rank for rank, ok in enumerate(all_gather_objects(seen)) if not ok]
+    barrier()
+    if info.is_main:
+        probe.unlink(missing_ok=True)
+    if not missing:
+        return None
+    return (
+        f"run.out_dir: ranks {missing} cannot see {directory} that rank 0 wrote: on several nodes the run "
+        "directory must be on a filesystem shared by all nodes (every rank loads the checkpoint to resume)"
+    )
+
+
+def syncbn_compile_note(model: torch.nn.Module, compile_model: bool) -> str | None:
+    """torch.compile breaks its graph at every SyncBatchNorm layer (pytorch#161302): together they
+    keep SyncBN's cost and lose most of compile's gain. Say so rather than run slow in silence."""
+    if not compile_model or not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
+        return None
+    return (
+        "note: train.compile with SyncBatchNorm: torch.compile breaks its graph at every SyncBatchNorm "
+        "layer (pytorch#161302) and gains little; keep SyncBN for small per-device batches (< 8), "
+        "else set train.sync_batchnorm=false to get compile's speed"
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .config import Config
-from .dist import DistInfo, all_reduce_max
+from .dist import DistInfo, all_reduce_max, quiet_loader_worker
 
 
 class ResumableSampler(DistributedSampler):
@@ -38,11 +38,6 @@ def workers_per_rank(cpus: int, local_world_size: int, cap: int) -> int:
     return max(0, min(cap, cpus // local_world_size - 1))
 
 
-def threads_per_rank(cpus: int, local_world_size: int) -> int:
-    """Intra-op threads for one rank, so ranks on a node do not oversubscribe its CPUs."""
-    return max(1, cpus // local_world_size)
-
-
 def resolve_workers(cfg: Config, cpus: int, local_world_size: int) -> int:
     """data.num_workers, with auto sized from the CPUs this rank shares with its node."""
     if cfg.data.num_workers == "auto":
@@ -62,6 +57,7 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: Dist
         num_workers=num_workers,
         pin_memory=info.device.type == "cuda",
         persistent_workers=num_workers > 0,
+        worker_init_fn=quiet_loader_worker,  # SLURM signals every process of the step; the rank handles it
         prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,
     )
     # drop_last on the loader too: every rank runs the same number of full-size steps

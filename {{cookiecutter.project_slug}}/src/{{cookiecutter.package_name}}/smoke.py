@@ -14,7 +14,6 @@ import argparse
 import hashlib
 import json
 import shutil
-import socket
 import sys
 import time
 
@@ -22,7 +21,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, config, dist, task, train
+from . import checkpoint, config, dist, hardware, task, train
 from .dist import DistInfo
 
 PASS, FAIL, SKIP, INFO = "PASS", "FAIL", "SKIP", "INFO"
@@ -69,12 +68,14 @@ def counting_allreduce_hook(counter: CommCounter, bucket):
 
 
 def check_devices(info: DistInfo) -> tuple[str, str]:
-    placements = dist.all_gather_objects((socket.gethostname(), str(info.device)))
+    """Where each rank computes, as CUDA reports it (current device, GPU UUID), not as LOCAL_RANK implies."""
+    identities = dist.all_gather_objects(hardware.device_identity(info.device))
     if info.device.type != "cuda":
         return SKIP, "CPU run: no GPUs to bind (one process per GPU is checked on GPU machines)"
-    if len(set(placements)) != len(placements):
-        return FAIL, f"two ranks share a GPU: {placements}; call torch.cuda.set_device(local_rank) after init"
-    return PASS, f"{len(placements)} ranks on {len(placements)} distinct GPUs"
+    problems = hardware.device_problems(identities)
+    if problems:
+        return FAIL, "; ".join(problems)
+    return PASS, f"{len(identities)} ranks on {len(identities)} distinct GPUs, each on its own device (CUDA's view)"
 
 
 def check_backend(info: DistInfo) -> tuple[str, str]:

@@ -1,0 +1,125 @@
+"""What this machine's GPUs are and can do, asked the way the launcher, the training start-up,
+the smoke check and `diagnose doctor` all agree on.
+
+Every question here names its device explicitly and reads device properties only, so asking it
+opens no CUDA context: before a rank binds its GPU, anything that allocates lands on GPU 0.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+
+OK, WARN, FAIL = "ok", "WARN", "FAIL"  # the doctor's verdicts (diagnose.py prints them)
+BF16_NATIVE = (8, 0)  # Ampere: bf16 tensor cores; below it bf16 is emulated, several times slower
+FP16_TENSOR_CORES = (7, 0)  # Volta
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int  # as CUDA numbers it for this process (after CUDA_VISIBLE_DEVICES)
+    name: str
+    capability: tuple[int, int]
+    uuid: str  # the physical device (or MIG instance), whatever the numbering
+
+    @property
+    def is_mig(self) -> bool:
+        return "MIG" in self.name
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use: CUDA's count honours CUDA_VISIBLE_DEVICES, MIG and cgroups,
+    which `nvidia-smi -L` does not; no CUDA context is created."""
+    return torch.cuda.device_count()
+
+
+def gpus() -> list[Gpu]:
+    return [_gpu(i) for i in range(visible_gpus())]
+
+
+def _gpu(index: int) -> Gpu:
+    props = torch.cuda.get_device_properties(index)
+    return Gpu(index, props.name, (props.major, props.minor), str(props.uuid))
+
+
+def bf16_native(capability: tuple[int, int]) -> bool:
+    """Whether bf16 runs on tensor cores. `torch.cuda.is_bf16_supported()` also says True where
+    it is only emulated (V100, T4), and allocates on the current device to find out."""
+    return tuple(capability) >= BF16_NATIVE
+
+
+def precision_problem(precision: str, device: torch.device) -> str | None:
+    """Why `precision` is wrong for `device`, or None; the message says what to use instead."""
+    if precision != "bf16" or device.type != "cuda":
+        return None
+    gpu = _gpu(device.index)
+    if bf16_native(gpu.capability):
+        return None
+    major, minor = gpu.capability
+    return (
+        f"train.precision: bf16 needs compute capability 8.0 (Ampere) or newer; GPU {gpu.index} "
+        f"({gpu.name}) is {major}.{minor}, where bf16 is emulated and slow: use train.precision=fp16"
+    )
+
+
+def device_identity(device: torch.device) -> tuple[str, int, int, str]:
+    """(host, the device this rank should use, the one CUDA says it computes on, that GPU's UUID):
+    what CUDA reports, so two ranks on one GPU show up whatever their LOCAL_RANK says."""
+    if device.type != "cuda":
+        return socket.gethostname(), -1, -1, "cpu"
+    current = torch.cuda.current_device()
+    return socket.gethostname(), device.index, current, _gpu(current).uuid
+
+
+def device_problems(identities: list[tuple[str, int, int, str]]) -> list[str]:
+    """What is wrong with where the ranks compute (rank i reported identities[i]); empty when
+    every rank computes on its own device and no two ranks share a physical GPU."""
+    problems = [
+        f"rank {rank} computes on cuda:{current}, not cuda:{wanted}: call torch.cuda.set_device(local_rank)"
+        for rank, (_, wanted, current, _) in enumerate(identities)
+        if current != wanted
+    ]
+    owners: dict[tuple[str, str], list[int]] = {}
+    for rank, (host, _, _, uuid) in enumerate(identities):
+        owners.setdefault((host, uuid), []).append(rank)
+    problems += [
+        f"ranks {ranks} share GPU {uuid} on {host}: one process per GPU (CUDA_VISIBLE_DEVICES, NPROC_PER_NODE)"
+        for (host, uuid), ranks in owners.items()
+        if len(ranks) > 1
+    ]
+    return problems
+
+
+def nccl_version() -> str | None:
+    """NCCL's version, or None where this torch build has no NCCL."""
+    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return None
+    return ".".join(map(str, torch.cuda.nccl.version()))
+
+
+def doctor_rows(precision: str, found: list[Gpu], nccl: str | None, planned: int) -> list[tuple[str, str, str]]:
+    """(verdict, topic, detail) rows about the GPUs for `diagnose doctor`."""
+    launch = f"{len(found)} visible (the count the launch scripts use), project planned for {planned} per node"
+    if not found:
+        return [(WARN if planned else OK, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
+    rows = [(OK if len(found) == planned else WARN, "GPUs", launch)]
+    rows.append((OK, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
+    for gpu in found:
+        rows.append(_capability_row(precision, gpu))
+    mig = [gpu.index for gpu in found if gpu.is_mig]
+    if mig:
+        # CUDA shows a process one MIG instance, and NCCL cannot connect instances to each other
+        rows.append((WARN, "MIG", f"GPU(s) {mig} are MIG instances: train with one process (NPROC_PER_NODE=1)"))
+    return rows
+
+
+def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
+    major, minor = gpu.capability
+    detail = f"{gpu.name}, compute capability {major}.{minor}"
+    if precision == "bf16" and not bf16_native(gpu.capability):
+        return FAIL, f"GPU {gpu.index}", detail + ": bf16 is emulated here; use train.precision=fp16"
+    if precision == "fp16" and tuple(gpu.capability) < FP16_TENSOR_CORES:
+        return WARN, f"GPU {gpu.index}", detail + ": no tensor cores, fp16 brings little; fp32 is as fast"
+    return OK, f"GPU {gpu.index}", detail + f": {precision} runs natively"

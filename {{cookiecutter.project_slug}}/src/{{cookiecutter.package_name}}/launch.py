@@ -1,0 +1,242 @@
+"""The node launcher behind scripts/*.sh and scripts/train.sbatch: run it once per node.
+
+    python -m {{ cookiecutter.package_name }}.launch [torchrun options] -m MODULE [arguments]
+    python -m {{ cookiecutter.package_name }}.launch free-port SEED    # a free port for this node's rendezvous
+
+It plans the node, then runs torchrun and stays with it:
+- processes: NPROC_PER_NODE, by default one per GPU that CUDA shows this process (which honours
+  CUDA_VISIBLE_DEVICES, MIG and cgroups, unlike `nvidia-smi -L`), 2 on a CPU-only machine;
+  never more processes than GPUs;
+- threads: OMP_NUM_THREADS = the CPUs this job owns here (affinity mask, SLURM's allocation)
+  shared out among the processes, at least 1;
+- stopping: the first TERM, INT, HUP or USR1 becomes SIGUSR1 for the workers, which agree on it
+  at their next log step (on every node), write a checkpoint and exit; a second one makes
+  torchrun stop them at once. torchrun ignores SIGUSR1 (SLURM hands it to every process of the
+  step): left to torchrun, a stop kills the workers 30 s later, checkpoint or not;
+- exit status: 75 (PREEMPTED_EXIT_CODE) when the workers stopped early, so a scheduler requeues
+  the job and a rerun resumes; otherwise torchrun's.
+Nothing here imports torch until it counts GPUs, so `free-port` answers at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+PREEMPTED_EXIT_CODE = 75  # checkpoint.PREEMPTED_EXIT_CODE (tests keep the two equal)
+MARKER_ENV = "PREEMPTION_MARKER"  # dist.PREEMPTION_MARKER_ENV: where the workers report a preemption
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+WORKER_STOP_SIGNAL = signal.SIGUSR1  # what checkpoint.PreemptionFlag handles and torchrun ignores
+RESEND_SECONDS = 1.0  # how often workers that torchrun (re)starts after a stop request are looked for
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CPU_PROCESSES = 2  # without GPUs the scripts still run DDP, on gloo
+
+
+class LaunchError(Exception):
+    """A launch that cannot work as asked; the message says what to change."""
+
+
+def positive_int(value: str | None) -> int | None:
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+def job_cpus(env: Mapping[str, str], affinity: int) -> int:
+    """CPUs this job may use on this node: the affinity mask, capped by SLURM's allocation, which
+    matters where SLURM does not bind tasks to CPUs (the mask is then the whole node). Inside an
+    srun task (SLURM_STEP_ID set) the task owns SLURM_CPUS_PER_TASK; the batch shell owns the
+    job's SLURM_CPUS_ON_NODE."""
+    in_task = "SLURM_STEP_ID" in env
+    allocated = positive_int(env.get("SLURM_CPUS_PER_TASK")) if in_task else None
+    allocated = allocated or positive_int(env.get("SLURM_CPUS_ON_NODE"))
+    return min(affinity, allocated) if allocated else affinity
+
+
+def affinity_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def threads_per_process(cpus: int, processes: int) -> int:
+    """torchrun's default of 1 thread starves CPU work; 0 (fewer CPUs than processes) is not a count."""
+    return max(1, cpus // processes)
+
+
+def processes_per_node(requested: str | None, gpus: int, planned: int | None) -> tuple[int, str | None]:
+    """(processes to start on this node, a note for the user or None)."""
+    if requested:
+        count = positive_int(requested)
+        if count is None:
+            raise LaunchError(f"NPROC_PER_NODE={requested!r}: use a positive number of processes")
+        if gpus and count > gpus:
+            raise LaunchError(
+                f"NPROC_PER_NODE={count} but this node shows {gpus} GPU(s) (CUDA_VISIBLE_DEVICES, MIG or "
+                f"the job's allocation): ranks without a GPU would share one; use NPROC_PER_NODE<={gpus}"
+            )
+        return count, None
+    if not gpus:
+        return CPU_PROCESSES, f"no GPU visible: {CPU_PROCESSES} CPU processes on gloo"
+    if planned and gpus != planned:
+        return gpus, f"{gpus} GPU(s) visible, the project was planned for {planned}; using {gpus}"
+    return gpus, None
+
+
+def torchrun_command(args: list[str], processes: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", *args]
+
+
+def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: int) -> tuple[list[str], dict]:
+    """(torchrun command line, its environment) for this node."""
+    planned = positive_int(environ.get("PLANNED_GPUS_PER_NODE"))
+    processes, note = processes_per_node(environ.get("NPROC_PER_NODE"), gpus, planned)
+    env = dict(environ)
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_process(job_cpus(environ, affinity), processes)))
+    # A fresh store for every rendezvous round, served by that round's rank 0. The shared agent
+    # store outlives restarts, and the only per-attempt key a worker could use, its node's
+    # TORCHELASTIC_RESTART_COUNT, differs between nodes when one rejoins (dist.store_prefix).
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if note:
+        print(f"launch: {note}", file=sys.stderr, flush=True)
+    return torchrun_command(args, processes), env
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`: torchrun's are its workers."""
+    if Path("/proc/self/task").is_dir():
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            return [int(child) for task in tasks for child in (task / "children").read_text().split()]
+        except OSError:  # the process is gone
+            return []
+    try:  # no /proc (macOS)
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
+    except OSError:
+        return []
+    return [int(child) for child in found.stdout.split()]
+
+
+def exit_status(torchrun_status: int, stop_requested: bool, preempted: bool) -> int:
+    """The node's exit status: 75 when the workers stopped early, whatever torchrun made of it."""
+    if preempted or (stop_requested and torchrun_status != 0):
+        return PREEMPTED_EXIT_CODE
+    return torchrun_status if torchrun_status >= 0 else 128 - torchrun_status  # killed by a signal
+
+
+class Supervisor:
+    """Runs torchrun; turns stop signals into a checkpoint-and-exit for its workers."""
+
+    def __init__(self, command: list[str], env: dict):
+        self.command, self.env, self.stops = command, env, 0
+        self.torchrun: subprocess.Popen | None = None
+        self.told: set[int] = set()  # workers already sent the stop signal
+
+    def run(self) -> int:
+        marker_dir = Path(tempfile.mkdtemp(prefix="preemption-"))
+        marker = marker_dir / "preempted"
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._stop)
+        try:
+            # own session: a Ctrl-C in the terminal reaches only this process, which stops the
+            # workers gently; torchrun would forward it as SIGINT, and the workers die of that
+            self.torchrun = subprocess.Popen(
+                self.command, env={**self.env, MARKER_ENV: str(marker)}, start_new_session=True, preexec_fn=_prepare
+            )
+            status = self._wait()
+            return exit_status(status, self.stops > 0, marker.exists())
+        finally:
+            shutil.rmtree(marker_dir, ignore_errors=True)
+
+    def _wait(self) -> int:
+        while True:
+            try:
+                return self.torchrun.wait(timeout=RESEND_SECONDS)
+            except subprocess.TimeoutExpired:
+                if self.stops == 1:
+                    self._tell_workers()  # the ones torchrun (re)started since
+
+    def _stop(self, signum, frame) -> None:
+        self.stops += 1
+        if self.torchrun is None:
+            raise SystemExit(128 + signum)
+        if self.stops == 1:
+            print(
+                f"launch: {signal.Signals(signum).name}: the workers checkpoint at their next log step and stop; "
+                "send it again to stop them now",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._tell_workers()
+        elif self.stops == 2:
+            self.torchrun.terminate()  # torchrun's own shutdown: SIGTERM to the workers, SIGKILL 30 s later
+
+    def _tell_workers(self) -> None:
+        """Send the stop signal once to each worker that handles it. Once only: a worker that
+        has finished and is shutting down has lost its handler, and would die of a second one;
+        not before it handles it: a worker still starting would ignore (or die of) it."""
+        for pid in children(self.torchrun.pid):
+            if pid not in self.told and handles(pid, WORKER_STOP_SIGNAL):
+                self.told.add(pid)
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.kill(pid, WORKER_STOP_SIGNAL)
+
+
+def handles(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (Linux: SigCgt in /proc; elsewhere assumed)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return not Path("/proc/self/status").exists()
+    caught = int(status.split("SigCgt:")[1].split()[0], 16)
+    return bool(caught & (1 << (sig - 1)))
+
+
+def _prepare() -> None:
+    """In torchrun, before it starts: survive SIGUSR1 (SLURM delivers it to the whole step; the
+    workers inherit the ignore until checkpoint.PreemptionFlag handles it), and stop with this
+    launcher: if it is killed outright, torchrun gets SIGTERM and stops its workers (Linux)."""
+    signal.signal(WORKER_STOP_SIGNAL, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def free_port(seed: int, host: str = "") -> int:
+    """A free TCP port, derived from `seed` (the job id) so that jobs sharing a head node get
+    different ones: with one fixed port, a second job joins the first job's rendezvous store."""
+    base = 20000 + seed % 20000
+    for port in range(base, base + 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise LaunchError(f"no free port in {base}-{base + 199}: set RDZV_PORT")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args[:1] == ["free-port"]:
+            print(free_port(int(args[1])))
+            return 0
+        from .hardware import visible_gpus  # imports torch
+
+        command, env = prepare(args, os.environ, visible_gpus(), affinity_cpus())
+    except LaunchError as err:
+        print(f"launch error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return Supervisor(command, env).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

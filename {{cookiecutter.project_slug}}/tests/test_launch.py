@@ -1,0 +1,140 @@
+"""The node launcher: processes per node, threads under SLURM, stopping, exit status, ports."""
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import PROJECT, project_env
+
+from {{ cookiecutter.package_name }} import launch
+from {{ cookiecutter.package_name }}.launch import LaunchError
+
+
+@pytest.mark.parametrize(
+    ("requested", "gpus", "planned", "expected"),
+    [(None, 8, 8, 8), (None, 4, 8, 4), (None, 0, 8, 2), ("4", 8, 8, 4), ("3", 0, 8, 3)],
+)
+def test_one_process_per_visible_gpu_unless_told(requested, gpus, planned, expected):
+    assert launch.processes_per_node(requested, gpus, planned)[0] == expected
+
+
+def test_an_allocation_smaller_than_planned_is_used_and_said():
+    # sbatch --gpus-per-node=4 on a project planned for 8: 4 ranks, not 8 sharing 4 GPUs
+    count, note = launch.processes_per_node(None, 4, 8)
+    assert count == 4 and "planned for 8" in note
+
+
+@pytest.mark.parametrize("requested", ["8", "5"])
+def test_more_processes_than_gpus_is_refused(requested):
+    with pytest.raises(LaunchError, match="NPROC_PER_NODE<=4"):
+        launch.processes_per_node(requested, 4, 8)
+
+
+@pytest.mark.parametrize("requested", ["0", "two", "-1"])
+def test_a_process_count_must_be_positive(requested):
+    with pytest.raises(LaunchError, match="positive"):
+        launch.processes_per_node(requested, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("env", "affinity", "cpus"),
+    [
+        ({}, 16, 16),  # no SLURM: the affinity mask
+        ({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "32", "SLURM_CPUS_ON_NODE": "64"}, 128, 32),  # unbound task
+        ({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "32"}, 32, 32),  # a bound task: both agree
+        ({"SLURM_STEP_ID": "0", "SLURM_CPUS_ON_NODE": "4"}, 128, 4),  # no --cpus-per-task
+        ({"SLURM_CPUS_PER_TASK": "32", "SLURM_CPUS_ON_NODE": "64"}, 64, 64),  # the batch shell owns the node's share
+        ({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "64"}, 8, 8),  # never more than the mask
+        ({"SLURM_CPUS_ON_NODE": ""}, 8, 8),
+    ],
+)
+def test_cpus_owned_under_slurm(env, affinity, cpus):
+    assert launch.job_cpus(env, affinity) == cpus
+
+
+@pytest.mark.parametrize(("cpus", "processes", "threads"), [(64, 8, 8), (1, 8, 1), (7, 8, 1), (10, 4, 2)])
+def test_threads_are_shared_out_and_never_0(cpus, processes, threads):
+    # the old sbatch computed SLURM_CPUS_ON_NODE / GPUS_PER_NODE: 0 threads with fewer CPUs than GPUs
+    assert launch.threads_per_process(cpus, processes) == threads
+
+
+def test_prepare_sizes_threads_from_slurms_allocation():
+    env = {"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "16", "SLURM_CPUS_ON_NODE": "16", "PLANNED_GPUS_PER_NODE": "8"}
+    command, child_env = launch.prepare(["--standalone", "-m", "pkg.train"], env, gpus=4, affinity=96)
+    assert command[-4:] == ["--nproc-per-node=4", "--standalone", "-m", "pkg.train"]
+    assert child_env["OMP_NUM_THREADS"] == "4"
+
+
+def test_prepare_keeps_the_users_thread_count():
+    _, child_env = launch.prepare(["-m", "x"], {"OMP_NUM_THREADS": "3"}, gpus=0, affinity=16)
+    assert child_env["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("status", "stopped", "preempted", "expected"),
+    [(0, False, False, 0), (1, False, False, 1), (0, True, True, 75), (1, True, False, 75), (0, True, False, 0)],
+)
+def test_exit_status(status, stopped, preempted, expected):
+    # 75 when the workers report a preemption (they exit 0 so that torchrun restarts nothing),
+    # or when a stop was asked for and the run did not finish; a run that finished is a success
+    assert launch.exit_status(status, stopped, preempted) == expected
+
+
+def test_a_worker_killed_by_a_signal_is_reported_like_a_shell_does():
+    assert launch.exit_status(-9, False, False) == 137
+
+
+def test_free_port_is_derived_from_the_job_and_skips_a_busy_one():
+    port = launch.free_port(4242)
+    assert 24242 <= port < 24442
+    with socket.socket() as busy:
+        busy.bind(("", port))
+        assert launch.free_port(4242) != port
+
+
+def test_a_process_handles_a_signal_only_once_it_installed_a_handler():
+    code = "import signal, time; signal.signal(signal.SIGUSR1, print); print(1, flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()
+        assert launch.handles(child.pid, signal.SIGUSR1)
+        assert not launch.handles(child.pid, signal.SIGUSR2)
+    finally:
+        child.kill()
+        child.wait()
+
+
+FAKE_TORCHRUN = """
+import os, signal, subprocess, sys, time
+# a worker like ours: ignores the stop signal while starting, handles it once PreemptionFlag exists
+worker = '''
+import os, pathlib, signal, time
+time.sleep(0.5)
+stop = []
+signal.signal(signal.SIGUSR1, lambda *a: stop.append(1))
+while not stop:
+    time.sleep(0.05)
+pathlib.Path(os.environ["PREEMPTION_MARKER"]).touch()
+'''
+sys.exit(subprocess.call([sys.executable, "-c", worker]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+def test_a_stop_reaches_the_workers_and_ends_with_75(stop):
+    script = (
+        "import signal, sys\n"
+        "from {{ cookiecutter.package_name }} import launch\n"
+        f"sys.exit(launch.Supervisor([sys.executable, '-c', {FAKE_TORCHRUN!r}], dict()).run())\n"
+    )
+    supervisor = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT, env=project_env())
+    try:
+        time.sleep(1.5)  # the worker is running
+        supervisor.send_signal(stop)
+        assert supervisor.wait(timeout=20) == launch.PREEMPTED_EXIT_CODE
+    finally:
+        supervisor.kill()

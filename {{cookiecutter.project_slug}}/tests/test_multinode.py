@@ -1,0 +1,123 @@
+"""Two "nodes" on loopback: two scripts/train_multinode.sh processes, one CPU rank each, c10d
+rendezvous. A worker killed on one node must make both nodes re-form and resume (each node's
+torchrun counts restarts on its own, and a node that only saw the other rejoin counts none);
+a stop on one node must checkpoint every node and end both, not leave one restarting."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, train_losses
+
+from {{ cookiecutter.package_name }} import checkpoint, launch
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds a node's worker in /proc"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_nodes(tmp_path: Path, *overrides: str, max_restarts: int = 0) -> list[subprocess.Popen]:
+    env = project_env(
+        NNODES="2",
+        NPROC_PER_NODE="1",
+        CUDA_VISIBLE_DEVICES="",
+        GLOO_SOCKET_IFNAME="lo",
+        RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+        RDZV_ID="loopback",
+        MAX_RESTARTS=str(max_restarts),
+    )
+    command = ["bash", "scripts/train_multinode.sh", "--config", SMOKE_CONFIG, *TINY, f"run.out_dir={tmp_path}"]
+    command.append("data.num_workers=0")  # fewer processes to start on each (re)start: the test stays short
+    return [
+        subprocess.Popen(
+            [*command, *overrides],
+            cwd=PROJECT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+
+
+def finish(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout
+    try:
+        results = []
+        for node in nodes:
+            stdout, stderr = node.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((node.returncode, stdout, stderr))
+        return results
+    finally:
+        for node in nodes:
+            for pid in [node.pid, *descendants(node.pid)]:  # torchrun runs in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    children = launch.children(pid)
+    return children + [p for child in children for p in descendants(child)]
+
+
+def wait_for(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def worker_of(node: subprocess.Popen) -> int:
+    """The rank process on a node: the script execs the launcher, whose child is torchrun."""
+    (torchrun,) = launch.children(node.pid)
+    (worker,) = launch.children(torchrun)
+    return worker
+
+
+def test_a_killed_worker_makes_both_nodes_re_form_and_resume(tmp_path):
+    start = time.monotonic()
+    nodes = start_nodes(tmp_path, "train.max_steps=20", "checkpoint.every_steps=5", max_restarts=2)
+    latest = tmp_path / "smoke" / "checkpoints" / "latest"
+    try:
+        wait_for(latest.exists, timeout=40)
+        os.kill(worker_of(nodes[1]), signal.SIGKILL)
+    finally:
+        results = finish(nodes, timeout=45)
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    out = "".join(stdout for _, stdout, _ in results)
+    assert "resumed from" in out and "done: 20 steps" in out  # re-formed, resumed, finished
+    final = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / "step_00000020.pt")
+    assert final["step"] == 20 and final["world_size"] == 2
+    assert time.monotonic() - start < 60
+
+
+def test_a_stop_on_one_node_checkpoints_every_node_and_ends_both(tmp_path):
+    nodes = start_nodes(tmp_path, "train.epochs=200", "checkpoint.every_steps=100000", max_restarts=3)
+    metrics = tmp_path / "smoke" / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, timeout=40)
+        stopped = time.monotonic()
+        os.kill(nodes[1].pid, signal.SIGTERM)  # one node only: its own scheduler, or a Ctrl-C there
+    finally:
+        results = finish(nodes, timeout=45)
+    codes = [code for code, _, _ in results]
+    assert codes == [checkpoint.PREEMPTED_EXIT_CODE] * 2, "\n".join(err[-3000:] for _, _, err in results)
+    assert time.monotonic() - stopped < 30  # the other node did not restart into a lost rendezvous
+    saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
+    step = int(saved.removeprefix("step_").removesuffix(".pt"))
+    assert any(f"preempted at step {step}: checkpoint written" in stdout for _, stdout, _ in results)
+    assert len(train_losses(tmp_path / "smoke")) >= 1
