@@ -176,8 +176,23 @@ def test_diagnose_doctor_flags_a_busy_port_and_oversubscription():
 
 @pytest.mark.slow
 def test_diagnose_scaling_reports_speedup_and_split(tmp_path):
-    result = diagnose("scaling", "--config", SMOKE_CONFIG, "--nproc", "2", "--steps", "30", timeout=240)
+    kept = tmp_path / "scaling"
+    result = diagnose(
+        "scaling", "--config", SMOKE_CONFIG, "--nproc", "2", "--steps", "30", "--out", str(kept), timeout=240
+    )
     out = result.stdout
     assert "speedup" in out and "efficiency" in out
     assert "data wait" in out and "communication" in out
     assert any(band in out for band in ("good", "room to improve", "poor", "bottleneck"))
+    # the step time split, 1 vs 2 processes: data wait, fwd+bwd, optimizer, other, step (ms)
+    rows = {
+        line.split("  ")[0]: line.split()[-5:]
+        for line in out.splitlines()
+        if line.startswith(("1 process ", "2 processes "))
+    }
+    assert set(rows) == {"1 process", "2 processes"}
+    for cells in rows.values():
+        data, fwd_bwd, optimizer, other, step = map(float, cells)
+        assert fwd_bwd > 0 and optimizer > 0 and data + fwd_bwd + optimizer + other == pytest.approx(step, abs=0.05)
+    assert (kept / "scale1" / "metrics.jsonl").exists() and (kept / "scale2" / "metrics.jsonl").exists()
+    assert f"{PACKAGE}.report {kept}/scale1 {kept}/scale2" in out

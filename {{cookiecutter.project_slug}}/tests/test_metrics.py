@@ -1,11 +1,14 @@
-"""Evaluation counts every sample exactly once; sums are reduced, not means."""
+"""Evaluation counts every sample exactly once; sums are reduced, not means; the step time is split."""
+
+import json
+import time
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.metrics import Totals, real_sample_mask
+from {{ cookiecutter.package_name }}.metrics import Totals, TrainingLog, real_sample_mask
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -27,3 +30,42 @@ def test_totals_accumulate_in_float64():
     sums = totals.reduced()
     assert totals.sums.dtype == torch.float64 and sums["count"] == 1000
     assert totals.names == ["count", "loss"]  # sorted: every rank reduces the same vector
+
+
+class RecordingBoard:
+    def __init__(self):
+        self.records = []
+
+    def write(self, record, extra=None):
+        self.records.append(record)
+
+    def close(self):
+        self.records.append("closed")
+
+
+def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path, capsys):
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    board = RecordingBoard()
+    log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0, board=board)
+    for _ in range(2):
+        with log.clock.data_wait:
+            time.sleep(0.02)
+        with log.clock.fwd_bwd:
+            time.sleep(0.03)
+        log.record(torch.tensor(4.0), terms=2.0, samples=2)
+        with log.clock.optimizer:
+            time.sleep(0.01)
+    record = log.flush(step=2, epoch=0, lr=0.1, stop_requested=False)
+    assert record["loss"] == 2.0 and record["start_step"] == 0 and not record["stop"]
+    assert record["data_wait_ms"] == pytest.approx(20, abs=5) and record["data_wait_share"] == pytest.approx(
+        1 / 3, abs=0.1
+    )
+    assert record["fwd_bwd_ms"] == pytest.approx(30, abs=5) and record["optimizer_ms"] == pytest.approx(10, abs=5)
+    parts = record["data_wait_ms"] + record["fwd_bwd_ms"] + record["optimizer_ms"] + record["other_ms"]
+    assert parts == pytest.approx(record["step_ms"]) and record["step_ms"] >= 60
+    assert "ms/step: fwd+bwd" in capsys.readouterr().out
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert board.records == [written] and "stop" not in written
+    assert log.flush(step=4, epoch=0, lr=0.1, stop_requested=False)["fwd_bwd_ms"] == 0  # the clock restarts each window
+    log.close()
+    assert board.records[-1] == "closed"

@@ -57,6 +57,14 @@ Share = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or 0 <= v 
 Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
 ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
 Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
+Switch = bool | Literal["auto"]
+StepWindow = Annotated[
+    list | None,
+    Rule(
+        lambda v: v is None or (len(v) == 2 and all(type(s) is int for s in v) and 1 <= v[0] < v[1]),
+        "use null or [start, stop] with 1 <= start < stop, e.g. [10, 15]",
+    ),
+]
 
 
 @dataclass
@@ -65,6 +73,9 @@ class RunConfig:
     out_dir: str = "runs"  # parent directory of all runs
     seed: int = 0  # the same seed on every rank, set before the model is built
     log_every: PositiveInt = 10  # optimizer steps between log lines (and preemption/NaN checks)
+    tensorboard: Switch = "auto"  # TensorBoard event files in out_dir/name/tensorboard/; auto: on if installed
+    profile_steps: StepWindow = None  # [start, stop]: trace steps start+1..stop into out_dir/name/profile/; null: off
+    profile_ranks: Literal["main", "all"] = "main"  # ranks that write a profiler trace: main (rank 0) or all
 
 
 @dataclass
@@ -226,7 +237,14 @@ def _describe(expected) -> str:
         return " or ".join(_describe(option) for option in typing.get_args(expected))
     if typing.get_origin(expected) is Literal:
         return " or ".join(repr(v) for v in typing.get_args(expected))
-    return {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a string"}[expected]
+    return {
+        type(None): "null",
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+    }[expected]
 
 
 def to_dict(cfg: Config) -> dict:

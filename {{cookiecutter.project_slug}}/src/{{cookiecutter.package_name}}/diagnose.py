@@ -2,7 +2,7 @@
 
     python -m {{ cookiecutter.package_name }}.diagnose doctor    # environment: versions, GPUs, ports, CPUs, /dev/shm
     python -m {{ cookiecutter.package_name }}.diagnose unused    # parameters that get no gradient
-    python -m {{ cookiecutter.package_name }}.diagnose scaling   # speedup and efficiency, 1 vs N processes
+    python -m {{ cookiecutter.package_name }}.diagnose scaling   # speedup, efficiency and time split, 1 vs N processes
 Each takes --config and section.key=value overrides like training does.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import config, loaders, task
+from . import config, dist, hardware, launch, loaders, task
 from .config import Config
 from .dist import DistInfo, cpus_available
 
@@ -43,19 +43,11 @@ def port_is_free(port: int) -> bool:
 def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, str, str]]:
     """(verdict, topic, detail) rows about this machine for this config."""
     rows = [(OK, "python", f"{platform.python_version()} on {platform.machine()}"), (OK, "torch", torch.__version__)]
-    gpus = torch.cuda.device_count()
-    if gpus:
-        rows.append((OK, "cuda", f"{torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"))
-    verdict = OK if gpus == cfg.dist.gpus_per_node else WARN
-    rows.append(
-        (
-            verdict,
-            "GPUs",
-            f"{gpus} visible, project planned for {cfg.dist.gpus_per_node} per node"
-            + ("" if gpus else " (CPU runs use gloo; scripts start 2 processes)"),
-        )
-    )
-    ranks = nproc or gpus or 2
+    found = hardware.gpus()  # counted as the launcher counts them (CUDA's view), with their capabilities
+    if found:
+        rows.append((OK, "cuda", str(torch.version.cuda)))
+    rows += hardware.doctor_rows(cfg.train.precision, found, hardware.nccl_version(), cfg.dist.gpus_per_node)
+    ranks = nproc or len(found) or launch.CPU_PROCESSES
     for port in ports:
         if port_is_free(port):
             rows.append((OK, f"port {port}", "free"))
@@ -89,7 +81,7 @@ def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
             f"on {cpus} CPUs" + ("" if verdict == OK else f"; oversubscribed: use data.num_workers=auto ({auto})"),
         )
     ]
-    threads = int(os.environ.get("OMP_NUM_THREADS", loaders.threads_per_rank(cpus, ranks)))
+    threads = dist.intra_op_threads(ranks)  # what training will use
     verdict = OK if threads * ranks <= cpus else WARN
     rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {cpus} CPUs"))
     return rows
@@ -124,10 +116,15 @@ def load_model_factory(spec: str | None):
     return getattr(importlib.import_module(module), function)
 
 
-def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int) -> dict:
-    """Train `steps` steps on 1 process and on `nproc`, then compare steady-state throughput."""
+SPLIT = ("data_wait_ms", "fwd_bwd_ms", "optimizer_ms", "other_ms")  # a step's time, as metrics.jsonl splits it
+
+
+def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int, out_dir: str | None = None) -> dict:
+    """Train `steps` steps on 1 process and on `nproc`, then compare steady-state throughput and
+    the split of a step's time. The runs are kept in out_dir (scale1/, scaleN/) when given."""
     results = {}
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = out_dir or scratch
         for n in (1, nproc):
             window = max(1, steps // 3)
             command = [
@@ -154,16 +151,14 @@ def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int) -> dict
                 json.loads(line) for line in (Path(out) / f"scale{n}" / "metrics.jsonl").read_text().splitlines()
             ]
             steady = [r for r in records if "loss" in r][1:]  # the first window holds start-up costs
-            results[n] = {
-                "samples_per_s": sum(r["samples_per_s"] for r in steady) / len(steady),
-                "data_wait_share": sum(r["data_wait_share"] for r in steady) / len(steady),
-            }
+            keys = ("samples_per_s", "data_wait_share", "step_ms", *SPLIT)
+            results[n] = {key: sum(r[key] for r in steady) / len(steady) for key in keys}
     return results
 
 
 def _threads_env(nproc: int) -> dict:
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(loaders.threads_per_rank(cpus_available(), nproc))
+    env["OMP_NUM_THREADS"] = str(launch.threads_per_process(cpus_available(), nproc))
     return env
 
 
@@ -179,26 +174,28 @@ def scaling_report(results: dict, nproc: int) -> str:
         band = "poor: a bottleneck is forming"
     else:
         band = "bottleneck: fix it before adding devices"
-    # per-device step time, split: data wait (measured), and the part of the N-process step
-    # beyond the 1-process step that is not data wait, which is communication and contention
-    step_one = 1 / one["samples_per_s"]
-    step_many = nproc / many["samples_per_s"]
-    data_many = many["data_wait_share"] * step_many
-    comm = max(0.0, step_many - step_one - (data_many - one["data_wait_share"] * step_one))
-    compute = max(0.0, step_many - data_many - comm)
+    # Each process holds the same per-device batch in both runs, so forward + backward does the
+    # same compute; what it takes longer on N processes is the all-reduce backward could not
+    # hide, plus contention for shared CPUs and memory.
+    comm = max(0.0, many["fwd_bwd_ms"] - one["fwd_bwd_ms"])
+    data = many["data_wait_ms"]
     hint = (
         "raise data.num_workers or make loading cheaper"
-        if data_many >= comm
+        if data >= comm
         else "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect"
     )
+    rows = [f"{'ms per step':<13}{'data wait':>10}{'fwd+bwd':>10}{'optimizer':>10}{'other':>10}{'step':>10}"]
+    for n, label in ((1, "1 process"), (nproc, f"{nproc} processes")):
+        rows.append(f"{label:<13}" + "".join(f"{results[n][key]:>10.2f}" for key in (*SPLIT, "step_ms")))
     return "\n".join(
         [
             f"1 process:   {one['samples_per_s']:,.0f} samples/s",
             f"{nproc} processes: {many['samples_per_s']:,.0f} samples/s",
             f"speedup {speedup:.2f}x, efficiency {efficiency:.2f} ({band})",
-            f"time per sample on {nproc} processes: data wait {data_many / step_many:.0%}, "
-            f"compute {compute / step_many:.0%}, communication and contention {comm / step_many:.0%}",
-            f"largest cost beyond compute: {'data' if data_many >= comm else 'communication'}: {hint}",
+            *rows,
+            f"communication and contention on {nproc} processes (their fwd+bwd minus 1 process's): "
+            f"{comm:.2f} ms per step, {comm / many['step_ms']:.0%} of the step; data wait {data / many['step_ms']:.0%}",
+            f"largest cost beyond compute: {'data' if data >= comm else 'communication'}: {hint}",
         ]
     )
 
@@ -211,6 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, action="append", help="ports to check (default 29500 and 29622)")
     parser.add_argument("--model", default=None, help="module:function building the model (default: build_model)")
     parser.add_argument("--steps", type=int, default=60, help="steps per scaling run")
+    parser.add_argument("--out", default=None, help="scaling: keep the two runs here (for `report`)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     with config.exit_on_user_error():
@@ -232,7 +230,9 @@ def main(argv=None) -> int:
         print("\n".join(f"  {name}" for name in names))
         return 1
     nproc = args.nproc or torch.cuda.device_count() or 2
-    print(scaling_report(scaling(args.config, args.overrides, nproc, args.steps), nproc))
+    print(scaling_report(scaling(args.config, args.overrides, nproc, args.steps, args.out), nproc))
+    if args.out:
+        print(f"runs kept: python -m {__package__}.report {args.out}/scale1 {args.out}/scale{nproc}")
     return 0
 
 

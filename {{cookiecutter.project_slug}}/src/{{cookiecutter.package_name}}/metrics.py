@@ -11,6 +11,8 @@ import torch
 from tqdm import tqdm
 
 from .dist import DistInfo, all_reduce_sum
+from .profiling import ProfileWindow, StepClock
+from .tensorboard import Board
 
 
 class Totals:
@@ -51,19 +53,31 @@ def real_sample_mask(first_position: int, batch_size: int, info: DistInfo, datas
 
 
 class TrainingLog:
-    """Loss, throughput and data-wait share over each logging window, exact across ranks.
+    """Loss, throughput and where the step time goes, over each logging window, exact across ranks.
 
-    `record()` runs every micro-batch and costs one device add and no host sync. `flush()` is
-    the loop's one regular collective: it also carries the stop request, so every rank learns
-    of a preemption or a non-finite loss at the same step. Rank 0 appends every record to
-    metrics.jsonl and prints the log, evaluation and summary lines.
+    `record()` runs every optimizer step and costs one device add and no host sync; the loop
+    times its phases with `clock` (profiling.StepClock). `flush()` is the loop's one regular
+    collective: it also carries the stop request, so every rank learns of a preemption or a
+    non-finite loss at the same step. Rank 0 appends every record to metrics.jsonl, writes it to
+    TensorBoard when `board` is given, and prints the log, evaluation and summary lines.
+    `profiler` (a profiling.ProfileWindow, or None) traces the steps of run.profile_steps.
     """
 
-    def __init__(self, info: DistInfo, jsonl_path, total_steps: int, first_step: int):
+    def __init__(
+        self,
+        info: DistInfo,
+        jsonl_path,
+        total_steps: int,
+        first_step: int,
+        board: Board | None = None,
+        profiler: ProfileWindow | None = None,
+    ):
         self.info = info
         self.jsonl_path = Path(jsonl_path)
         if info.is_main:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+        self.board, self.profiler = board, profiler
+        self.clock = StepClock(info.device)
         self.bar = tqdm(
             total=total_steps,
             initial=first_step,
@@ -71,25 +85,30 @@ class TrainingLog:
             dynamic_ncols=True,
         )
         self.evaluations: list[dict] = []
+        self.first_step = first_step  # where this attempt began: 0, or a resumed checkpoint's step
         self.run_start, self.run_samples = time.perf_counter(), 0
         self.reset()
 
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        self.terms, self.samples, self.data_wait = 0.0, 0, 0.0
+        self.terms, self.samples, self.steps = 0.0, 0, 0
         self.window_start = time.perf_counter()
 
-    def record(self, loss_sum: torch.Tensor, terms: float, samples: int, data_wait: float) -> None:
+    def record(self, loss_sum: torch.Tensor, terms: float, samples: int) -> None:
         """One optimizer step of this rank: its summed loss (on the device) and its loss terms."""
         self.loss_sum += loss_sum
         self.terms += terms
         self.samples += samples
-        self.data_wait += data_wait
+        self.steps += 1
 
     def flush(self, step: int, epoch: int, lr: float, stop_requested: bool) -> dict:
-        host = torch.tensor([self.terms, self.samples, self.data_wait, float(stop_requested)], dtype=torch.float64)
-        sums = all_reduce_sum(torch.cat([self.loss_sum.view(1), host.to(self.info.device)])).tolist()
-        loss_sum, terms, samples, data_wait, stops = sums
+        seconds = self.clock.read()  # on CUDA: waits for the window's last event, as the reduction would
+        host = [self.terms, self.samples, float(stop_requested), *seconds.values(), *self.peak_memory_slots()]
+        local = torch.cat([self.loss_sum.view(1), torch.tensor(host, dtype=torch.float64).to(self.info.device)])
+        sums = all_reduce_sum(local).tolist()
+        loss_sum, terms, samples, stops = sums[:4]
+        phases = dict(zip(seconds, sums[4 : 4 + len(seconds)], strict=True))  # seconds summed over ranks
+        peaks = sums[4 + len(seconds) :]
         elapsed = time.perf_counter() - self.window_start
         self.run_samples += int(samples)
         record = {
@@ -98,19 +117,45 @@ class TrainingLog:
             "loss": loss_sum / max(terms, 1.0),  # per loss term over every rank: exact, not a mean of means
             "lr": lr,
             "samples_per_s": samples / elapsed,
-            "data_wait_share": data_wait / (elapsed * self.info.world_size),
-            "stop": stops > 0,
+            "data_wait_share": phases["data_wait"] / (elapsed * self.info.world_size),
+            **self.split_ms(elapsed, phases),
+            "world_size": self.info.world_size,
+            "start_step": self.first_step,  # a resumed attempt supersedes what was logged after it
+            "elapsed_s": time.perf_counter() - self.run_start,  # since this attempt began
         }
-        self.write(record)
+        if peaks:
+            record["peak_mem_gib"] = max(peaks)
+        self.write(record, {f"memory/peak_gib_rank{rank}": peak for rank, peak in enumerate(peaks)})
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.0f}")
         if self.bar.disable:
             self.print(
                 f"step {step} | epoch {epoch} | loss {record['loss']:.4f} | lr {lr:.2e} | "
-                f"{record['samples_per_s']:.0f} samples/s | data wait {record['data_wait_share']:.0%}"
+                f"{record['samples_per_s']:.0f} samples/s | data wait {record['data_wait_share']:.0%} | "
+                f"{record['step_ms']:.1f} ms/step: fwd+bwd {record['fwd_bwd_ms']:.1f}, "
+                f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"
             )
         self.reset()
-        return record
+        return record | {"stop": stops > 0}
+
+    def split_ms(self, elapsed: float, phases: dict[str, float]) -> dict[str, float]:
+        """Milliseconds per step, mean over ranks: the step, its phases, and the rest (logging,
+        checkpoints, the loop itself). On CUDA the host's data wait can overlap device work, so
+        the phases can add up to more than the step; the rest is then 0."""
+        steps = max(self.steps, 1)
+        split = {"step_ms": elapsed * 1000 / steps}
+        split |= {f"{name}_ms": total * 1000 / (steps * self.info.world_size) for name, total in phases.items()}
+        split["other_ms"] = max(0.0, split["step_ms"] - sum(split[f"{name}_ms"] for name in phases))
+        return split
+
+    def peak_memory_slots(self) -> list[float]:
+        """On CUDA, this rank's peak memory (GiB) in its own slot of a world-sized vector: one sum
+        over ranks gives every device's peak without another collective. Empty on CPU."""
+        if self.info.device.type != "cuda":
+            return []
+        slots = [0.0] * self.info.world_size
+        slots[self.info.rank] = torch.cuda.max_memory_allocated(self.info.device) / 2**30
+        return slots
 
     def evaluation(self, step: int, epoch: int, results: dict) -> None:
         """Record and print one evaluation (rank 0 writes; every rank keeps the history)."""
@@ -120,22 +165,28 @@ class TrainingLog:
         self.print(f"eval step {step} | epoch {epoch} | {shown} | {results['eval_samples']} samples")
 
     def summary(self, steps: int, main_metric: tuple[str, str], run_dir: Path) -> str:
-        """One line for the end of a run: steps, wall time, throughput, best and final evaluation."""
+        """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
+        Also appended to metrics.jsonl as {"summary": {...}}."""
         wall = time.perf_counter() - self.run_start
         line = f"done: {steps} steps in {wall:.1f} s ({self.run_samples / wall:,.0f} samples/s)"
+        summary = {"steps": steps, "wall_s": wall, "samples_per_s": self.run_samples / wall}
         name, goal = main_metric
         key = f"eval_{name}"
         scored = [e for e in self.evaluations if key in e]
         if scored:
             best = (max if goal == "max" else min)(scored, key=lambda e: e[key])
             line += f"; eval {name}: best {best[key]:.4f} at step {best['step']}, final {scored[-1][key]:.4f}"
+            summary |= {f"best_{key}": best[key], "best_step": best["step"], f"final_{key}": scored[-1][key]}
+        self.write({"step": steps, "summary": summary})
         return f"{line}; outputs in {run_dir}"
 
-    def write(self, record: dict) -> None:
-        """Append one JSON line on rank 0."""
+    def write(self, record: dict, extra: dict[str, float] | None = None) -> None:
+        """On rank 0: append one JSON line, and the same values to TensorBoard."""
         if self.info.is_main:
             with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps({k: v for k, v in record.items() if k != "stop"}) + "\n")
+                f.write(json.dumps(record) + "\n")
+            if self.board is not None:
+                self.board.write(record, extra)
 
     def print(self, line: str) -> None:
         """A line on rank 0's console that does not break the progress bar."""
@@ -146,4 +197,9 @@ class TrainingLog:
                 self.bar.write(line)
 
     def close(self) -> None:
+        """Finish the progress bar, an open profiler window and the TensorBoard file."""
         self.bar.close()
+        if self.profiler is not None:
+            self.profiler.close()
+        if self.board is not None:
+            self.board.close()

@@ -15,7 +15,6 @@ import argparse
 import enum
 import math
 import sys
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -24,12 +23,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, dist, loaders, optim, task
+from . import checkpoint, config, dist, hardware, loaders, optim, task, tensorboard
 from .checkpoint import TrainState
 from .config import Config, ConfigError
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
 from .preflight import check_task
+from .profiling import profile_window
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     with config.exit_on_user_error():  # before any collective: every rank finds the same problem
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
+        tensorboard.check(cfg.run.tensorboard)
     dist.init(info, cfg.dist.timeout_minutes)
     with failures_reported(info), config.exit_on_user_error():
         code = run(cfg, info)
@@ -73,8 +74,13 @@ def failures_reported(info: DistInfo):
 
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:
-    if cfg.train.precision == "bf16" and info.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("train.precision: bf16 is not supported by this GPU; use train.precision=fp16")
+    """On this rank's own GPU, before any collective: every rank finds the same problem and exits alone."""
+    problem = dist.device_problem(info)
+    if problem is None:
+        dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
+        problem = hardware.precision_problem(cfg.train.precision, info.device)
+    if problem:
+        raise ConfigError(problem)
 
 
 def autocast(cfg: Config, info: DistInfo):
@@ -103,6 +109,9 @@ class Job:
 def run(cfg: Config, info: DistInfo) -> int:
     """Build, resume, train and save; returns the process exit code."""
     job = build(cfg, info)
+    problem = dist.shared_dir_problem(info, cfg.run_dir)  # every rank loads the checkpoint it resumes from
+    if problem:
+        raise ConfigError(problem)
     resumed = checkpoint.resume(job.state, cfg.run_dir, cfg.checkpoint.resume, info)
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,14 +122,14 @@ def run(cfg: Config, info: DistInfo) -> int:
     save_checkpoint(job.state, cfg, info)
     if outcome is Outcome.PREEMPTED:
         dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
-        return checkpoint.PREEMPTED_EXIT_CODE
+        return dist.report_preemption(checkpoint.PREEMPTED_EXIT_CODE)
     dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
     return 0
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
     cpus = dist.cpus_available()
-    torch.set_num_threads(loaders.threads_per_rank(cpus, info.local_world_size))
+    torch.set_num_threads(dist.intra_op_threads(info.local_world_size))  # a user's OMP_NUM_THREADS wins
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     dist.seed_everything(cfg.run.seed)  # after init, before the model exists
     raw_model = task.build_model(cfg)
@@ -147,7 +156,15 @@ def build(cfg: Config, info: DistInfo) -> Job:
 
 
 def training_log(job: Job, cfg: Config, info: DistInfo) -> TrainingLog:
-    return TrainingLog(info, cfg.run_dir / "metrics.jsonl", job.total_steps, job.state.step)
+    """metrics.jsonl and the console; TensorBoard (run.tensorboard) and a profiler window (run.profile_steps)."""
+    return TrainingLog(
+        info,
+        cfg.run_dir / "metrics.jsonl",
+        job.total_steps,
+        job.state.step,
+        board=tensorboard.open_board(cfg.run.tensorboard, cfg.run_dir, job.state.step, info),
+        profiler=profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info),
+    )
 
 
 def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> Outcome:
@@ -179,6 +196,9 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
         dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
     model.to(info.device)
     if cfg.train.compile:
+        note = dist.syncbn_compile_note(model, cfg.train.compile)
+        if note:
+            dist.print0(info, note)
         model = torch.compile(model)
     eval_model = model
     if info.distributed:
@@ -195,18 +215,21 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
 
 def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> Outcome:
     """Optimizer steps until the epoch ends, total_steps, or a preemption request reaches every rank."""
-    state, accum = job.state, cfg.train.grad_accum_steps
+    state, accum, clock, profiler = job.state, cfg.train.grad_accum_steps, log.clock, log.profiler
     job.model.train()
     batches = iter(job.train_loader)
     for _ in range(len(job.train_loader) // accum):  # a partial accumulation is dropped
-        wait_start = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(accum)]
-        data_wait = time.perf_counter() - wait_start
-        loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
-        log.record(loss_sum, terms, accum * cfg.data.batch_size, data_wait)
+        with clock.data_wait:
+            micro_batches = [next(batches) for _ in range(accum)]
+        with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
+            loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
+        log.record(loss_sum, terms, accum * cfg.data.batch_size)
         state.batch_in_epoch += accum
-        optimizer_step(state, cfg)
+        with clock.optimizer:
+            optimizer_step(state, cfg)
         state.step += 1
+        if profiler is not None:  # run.profile_steps; when off, this check is all it costs
+            profiler.after_step(state.step)
         done = state.step >= job.total_steps
         if state.step % cfg.run.log_every == 0 or done:
             record = log.flush(state.step, state.epoch, state.scheduler.get_last_lr()[0], preemption.requested)

@@ -1,0 +1,254 @@
+"""Curves and a summary of a run, or of several runs side by side.
+
+    python -m {{ cookiecutter.package_name }}.report runs/default          # runs/default/report.png and report.md
+    python -m {{ cookiecutter.package_name }}.report runs/a runs/b --out cmp  # both runs on the same axes
+
+Reads each run's metrics.jsonl and config.yaml. report.png shows train and eval loss, the
+other eval metrics, learning rate, throughput and where the step time goes; report.md holds
+steps, wall time, mean throughput, the best and final eval of task.MAIN_METRIC, the time per
+step and the settings that matter. The figure needs matplotlib (the project's viz extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from . import task
+
+INSTALL = "pip install matplotlib (or the project's viz extra)"
+SPLIT = {
+    "data_wait_ms": "data wait",
+    "fwd_bwd_ms": "forward+backward",
+    "optimizer_ms": "optimizer",
+    "other_ms": "other",
+}
+SETTINGS = (  # always shown; any other setting that differs between the runs compared is shown too
+    "data.batch_size",
+    "train.grad_accum_steps",
+    "train.lr",
+    "train.lr_scaling",
+    "train.precision",
+    "train.compile",
+    "train.epochs",
+    "train.max_steps",
+)
+IGNORED = ("run.name", "run.out_dir")  # differ between any two runs and say nothing
+
+
+@dataclass
+class Run:
+    label: str
+    train: list[dict]  # log windows, one per step, in step order
+    evals: list[dict]  # evaluations, one per step, in step order
+    wall_s: float | None  # summed over the attempts of a resumed run; None for logs without times
+    settings: dict = field(default_factory=dict)  # "section.key" -> value, from config.yaml
+
+
+def current_timeline(records: list[dict]) -> list[dict]:
+    """The records of the run as it went on: when an attempt resumed from a checkpoint at step S,
+    what earlier attempts had logged after S was superseded, as TensorBoard purges it."""
+    kept: list[dict] = []
+    attempt = (None, float("inf"))  # (start_step, elapsed_s) of the latest log window
+    for record in records:
+        if "start_step" in record:
+            if record["start_step"] != attempt[0] or record["elapsed_s"] < attempt[1]:  # a new attempt
+                kept = [r for r in kept if r["step"] <= record["start_step"]]
+            attempt = (record["start_step"], record["elapsed_s"])
+        kept.append(record)
+    return kept
+
+
+def latest_per_step(records: list[dict]) -> list[dict]:
+    """One record per step, in step order; where a step was logged twice, the later record wins."""
+    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
+
+
+def wall_time(records: list[dict]) -> float | None:
+    """Seconds of training over every attempt: each attempt's clock starts again at zero."""
+    clocks = [
+        r["summary"]["wall_s"] if "summary" in r else r.get("elapsed_s")
+        for r in records
+        if "loss" in r or "summary" in r
+    ]
+    if not clocks or any(c is None for c in clocks):
+        return None
+    total = 0.0
+    for previous, current in zip(clocks, clocks[1:], strict=False):
+        if current < previous:  # a new attempt began
+            total += previous
+    return total + clocks[-1]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def read_run(run_dir: Path, label: str) -> Run:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"report: {path} does not exist; pass a run directory such as runs/default")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    config_file = run_dir / "config.yaml"
+    settings = flatten(yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+    timeline = current_timeline(records)
+    return Run(
+        label=label,
+        train=latest_per_step([r for r in timeline if "loss" in r]),
+        evals=latest_per_step([r for r in timeline if "eval_samples" in r]),
+        wall_s=wall_time(records),
+        settings=settings,
+    )
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def steady(run: Run) -> list[dict]:
+    """The log windows without the first, which holds start-up costs (unless it is the only one)."""
+    return run.train[1:] or run.train
+
+
+def summary(runs: list[Run], main_metric: tuple[str, str]) -> str:
+    """report.md: one column per run."""
+    name, goal = main_metric
+    key = f"eval_{name}"
+    rows = {
+        "steps": [str(run.train[-1]["step"]) if run.train else "-" for run in runs],
+        "world size": [str(run.train[-1].get("world_size", "-")) if run.train else "-" for run in runs],
+        "wall time": [f"{run.wall_s:.1f} s" if run.wall_s is not None else "-" for run in runs],
+        "mean throughput": [f"{mean([r['samples_per_s'] for r in run.train]):,.0f} samples/s" for run in runs],
+    }
+    scored = [[e for e in run.evals if key in e] for run in runs]
+    best = [(max if goal == "max" else min)(evals, key=lambda e: e[key]) if evals else None for evals in scored]
+    rows[f"best eval {name}"] = [f"{b[key]:.4f} at step {b['step']}" if b else "-" for b in best]
+    rows[f"final eval {name}"] = [f"{e[-1][key]:.4f} at step {e[-1]['step']}" if e else "-" for e in scored]
+    rows["time per step"] = [time_split(run) for run in runs]
+    for setting in shown_settings(runs):
+        rows[setting] = [f"`{run.settings.get(setting, '-')}`" for run in runs]
+    lines = ["# Run report", "", "| | " + " | ".join(run.label for run in runs) + " |"]
+    lines.append("|---" * (len(runs) + 1) + "|")
+    lines += [f"| {row} | " + " | ".join(cells) + " |" for row, cells in rows.items()]
+    lines += ["", f"Mean throughput: over every log window. Time per step: {SPLIT_NOTE}", ""]
+    return "\n".join(lines)
+
+
+SPLIT_NOTE = (
+    "mean over the log windows after the first, in ms; forward+backward includes the gradient "
+    "all-reduce that backward could not hide (`diagnose scaling` separates it)."
+)
+
+
+def time_split(run: Run) -> str:
+    windows = [r for r in steady(run) if "step_ms" in r]
+    if not windows:
+        return "-"
+    parts = ", ".join(f"{label} {mean([r[key] for r in windows]):.2f}" for key, label in SPLIT.items())
+    return f"{mean([r['step_ms'] for r in windows]):.2f} ms: {parts}"
+
+
+def shown_settings(runs: list[Run]) -> list[str]:
+    differing = {
+        key
+        for run in runs
+        for key in run.settings
+        if key not in IGNORED and len({repr(other.settings.get(key)) for other in runs}) > 1
+    }
+    return [key for key in SETTINGS if any(key in run.settings for run in runs)] + sorted(differing - set(SETTINGS))
+
+
+def figure(runs: list[Run], path: Path) -> None:
+    """report.png: six panels, every run in its own colour."""
+    import matplotlib  # the optional dependency, imported only when a figure is drawn
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), layout="constrained")
+    (loss, metrics, lr), (speed, split, wait) = axes
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, run in enumerate(runs):
+        colour = colours[index % len(colours)]
+        steps = [r["step"] for r in run.train]
+        loss.plot(steps, [r["loss"] for r in run.train], color=colour, label=f"{run.label} train")
+        eval_steps = [e["step"] for e in run.evals]
+        if run.evals and "eval_loss" in run.evals[0]:
+            loss.plot(eval_steps, [e["eval_loss"] for e in run.evals], "o--", color=colour, label=f"{run.label} eval")
+        for style, name in zip(("o-", "s-", "^-", "d-"), eval_metric_names(run), strict=False):
+            metrics.plot(eval_steps, [e.get(name) for e in run.evals], style, color=colour, label=f"{run.label} {name}")
+        lr.plot(steps, [r["lr"] for r in run.train], color=colour, label=run.label)
+        speed.plot(steps, [r["samples_per_s"] for r in run.train], color=colour, label=run.label)
+        wait.plot(steps, [100 * r["data_wait_share"] for r in run.train], color=colour, label=run.label)
+    stacked_split(split, runs)
+    titles = (
+        (loss, "loss (train: per log window; eval: markers)", "loss"),
+        (metrics, "eval metrics", "value"),
+        (lr, "learning rate", "lr"),
+        (speed, "throughput", "samples/s"),
+        (wait, "data wait", "% of step time"),
+    )
+    for ax, title, unit in titles:
+        ax.set(title=title, xlabel="optimizer step", ylabel=unit)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def eval_metric_names(run: Run) -> list[str]:
+    return sorted({k for e in run.evals for k in e if k.startswith("eval_") and k not in ("eval_loss", "eval_samples")})
+
+
+def stacked_split(ax, runs: list[Run]) -> None:
+    """One bar per run: its mean step time, split into data wait, forward+backward, optimizer, other."""
+    bottoms = [0.0] * len(runs)
+    for key, label in SPLIT.items():
+        heights = [mean([r.get(key, 0.0) for r in steady(run)]) for run in runs]
+        ax.bar([run.label for run in runs], heights, bottom=bottoms, label=label)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set(title="where a step's time goes (fwd+bwd includes exposed all-reduce)", ylabel="ms per step")
+    ax.legend(fontsize="small")
+
+
+def labels(run_dirs: list[Path]) -> list[str]:
+    """Run names, or paths where two runs share a name."""
+    names = [d.name for d in run_dirs]
+    return names if len(set(names)) == len(names) else [str(d) for d in run_dirs]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (out_dir/name), each with metrics.jsonl")
+    parser.add_argument("--out", type=Path, help="where report.png and report.md go (default: the run, or ./report)")
+    args = parser.parse_args(argv)
+    out = args.out or (args.runs[0] if len(args.runs) == 1 else Path("report"))
+    runs = [read_run(run_dir, label) for run_dir, label in zip(args.runs, labels(args.runs), strict=True)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(summary(runs, task.MAIN_METRIC))
+    print(f"wrote {out / 'report.md'}")
+    try:
+        figure(runs, out / "report.png")
+    except ModuleNotFoundError as err:
+        if err.name != "matplotlib":
+            raise
+        print(f"no report.png: matplotlib is not installed; {INSTALL}", file=sys.stderr)
+        return 1
+    print(f"wrote {out / 'report.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
