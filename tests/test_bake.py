@@ -1,5 +1,6 @@
 """Every supported combination bakes into a clean project; every bad answer fails early."""
 
+import ast
 import os
 import re
 import stat
@@ -10,12 +11,21 @@ import yaml
 from conftest import BIN, TEMPLATE, bake, bake_cli
 
 COMMON_FILES = {
+    ".cookiecutter.json",
     ".gitignore",
     ".pre-commit-config.yaml",
     "README.md",
     "pyproject.toml",
     "configs/default.yaml",
     "configs/smoke.yaml",
+    "examples/image_classifier/data.py",
+    "examples/image_classifier/model.py",
+    "examples/language_model/data.py",
+    "examples/language_model/model.py",
+    "examples/language_model/task.py",
+    "examples/regression/data.py",
+    "examples/regression/model.py",
+    "examples/regression/task.py",
     "scripts/common.sh",
     "scripts/smoke.sh",
     "scripts/train.sh",
@@ -29,10 +39,20 @@ COMMON_FILES = {
     "tests/test_data.py",
     "tests/test_dist.py",
     "tests/test_distributed.py",
+    "tests/test_export.py",
+    "tests/test_gpu_paths.py",
+    "tests/test_hardware.py",
+    "tests/test_launch.py",
     "tests/test_faults.py",
     "tests/test_launchers.py",
     "tests/test_metrics.py",
+    "tests/test_multinode.py",
     "tests/test_optim.py",
+    "tests/test_profiler.py",
+    "tests/test_report.py",
+    "tests/test_swaps.py",
+    "tests/test_task.py",
+    "tests/test_tensorboard.py",
     "tests/test_train.py",
 }
 PACKAGE_FILES = {
@@ -42,10 +62,19 @@ PACKAGE_FILES = {
     "data.py",
     "diagnose.py",
     "dist.py",
+    "hardware.py",
+    "launch.py",
+    "loaders.py",
     "metrics.py",
     "model.py",
     "optim.py",
+    "preflight.py",
+    "profiling.py",
+    "report.py",
+    "rules.py",
     "smoke.py",
+    "task.py",
+    "tensorboard.py",
     "train.py",
 }
 SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
@@ -105,6 +134,27 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     assert fmt.returncode == 0, fmt.stdout
 
 
+FREE_TEXT = {
+    "project_name": 'Zoë\'s "Fast" Net',
+    "description": 'Trains \\ things "fast" with \'\'\' and """ quotes, naïvely',
+    "author": 'Zoë "Z" O\'Brien \\ Ångström',
+}
+
+
+def test_free_text_answers_come_through_intact_in_every_file(tmp_path):
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    project = bake(tmp_path, **FREE_TEXT, project_slug="fast-net")
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    assert meta["description"] == FREE_TEXT["description"] and meta["authors"] == [{"name": FREE_TEXT["author"]}]
+    init = (project / "src" / "fast_net" / "__init__.py").read_text()
+    assert ast.get_docstring(ast.parse(init)) == FREE_TEXT["description"]
+    readme = (project / "README.md").read_text()
+    assert f"# {FREE_TEXT['project_name']}" in readme and FREE_TEXT["description"] in readme
+    assert FREE_TEXT["author"] in (project / "LICENSE").read_text()
+    lint = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", str(project)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+
+
 def test_no_jinja_control_blocks_in_python_files():
     for path in (TEMPLATE / "{{cookiecutter.project_slug}}").rglob("*.py"):
         assert not re.search(r"\{%-?\s*(if|for|elif|else|endif|endfor)", path.read_text()), path
@@ -144,6 +194,8 @@ UNSUPPORTED = [
     (["package_name=test"], "package_name 'test' would shadow"),
     (["package_name=My-Pkg"], "package_name 'My-Pkg' is not a lowercase Python identifier"),
     ([f"package_name={'a' * 33}"], "is longer than 32 characters"),
+    (["author=A\tB"], "author 'A\\tB' holds a line break or control character"),
+    (["description= "], "description is empty"),
 ]
 
 

@@ -1,4 +1,9 @@
-"""Representative baked projects pass their own test suite; pre-commit passes in a fresh project."""
+"""Representative baked projects pass their own test suite; pre-commit passes in a fresh project.
+
+The defaults project runs every tier (`pytest --slow`: fault drills, launchers, the swaps);
+the others run the fast tier, which holds what their answers change (precision, accumulation,
+compile: the maths proofs and the unit tests).
+"""
 
 import os
 import subprocess
@@ -8,18 +13,18 @@ import pytest
 from conftest import BIN, bake
 
 REPRESENTATIVE = {
-    "defaults": {},
-    "fp16-accum4": {"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False},
-    "bf16-compile": {"precision": "bf16", "compile": True, "slurm": False, "license": "none"},
+    "defaults": ({}, ["--slow"]),
+    "fp16-accum4": ({"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False}, []),
+    "bf16-compile": ({"precision": "bf16", "compile": True, "slurm": False, "license": "none"}, []),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("answers", REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
-def test_generated_project_passes_its_own_tests(tmp_path, answers):
+@pytest.mark.parametrize(("answers", "tier"), REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
+def test_generated_project_passes_its_own_tests(tmp_path, answers, tier):
     project = bake(tmp_path, **answers)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tier],
         cwd=project,
         capture_output=True,
         text=True,

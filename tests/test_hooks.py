@@ -14,6 +14,8 @@ DEFAULTS = {
     "project_name": "DDP Trainer",
     "project_slug": "ddp-trainer",
     "package_name": "ddp_trainer",
+    "description": "Distributed data-parallel training with PyTorch DDP.",
+    "author": "Your Name",
     "gpus_per_node": "8",
     "num_nodes": "1",
     "precision": "bf16",
@@ -155,3 +157,16 @@ def test_template_commit_is_the_checkouts_head_marked_dirty_after_edits(tmp_path
     (template / "inner").mkdir()
     (template / "inner" / "cookiecutter.json").write_text("{}")  # a template git does not track
     assert post.template_commit(answers(_repo_dir=str(template / "inner"))) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("description", "two\nlines", "holds a line break"),
+        ("author", "  ", "is empty"),
+        ("project_name", "a\x07", "control"),
+    ],
+)
+def test_free_text_must_be_one_printable_line(key, value, message):
+    errors, _ = pre.validate(answers(**{key: value}))
+    assert len(errors) == 1 and errors[0].startswith(key) and message in errors[0]
