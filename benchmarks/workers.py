@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         project = bake(Path(scratch))
         sys.path.insert(0, str(project / "src"))
-        from ddp_trainer.loaders import workers_per_rank
         from ddp_trainer.dist import cpus_available
+        from ddp_trainer.loaders import workers_per_rank
 
         sized = workers_per_rank(cpus_available(), 2, cap=8)
         rates = {"sized": [], "naive": []}
