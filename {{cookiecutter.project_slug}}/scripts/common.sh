@@ -2,8 +2,8 @@
 # environment; the per-node logic (process count, threads, stopping, exit status) lives in
 # src/{{ cookiecutter.package_name }}/launch.py, where it is tested.
 
+# No cd: a relative --config or run.out_dir means what it says where the command was typed.
 PROJECT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$PROJECT_ROOT"
 export PYTHONPATH="$PROJECT_ROOT/src${PYTHONPATH:+:$PYTHONPATH}"  # works without `pip install -e .`
 export PLANNED_GPUS_PER_NODE={{ cookiecutter.gpus_per_node }}  # the number this project was generated for
 PREEMPTED_EXIT_CODE=75  # same as checkpoint.PREEMPTED_EXIT_CODE: stopped early, rerun (or requeue) to resume

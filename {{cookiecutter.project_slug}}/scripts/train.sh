@@ -7,4 +7,5 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 # --standalone picks a free rendezvous port itself: no clash with a job already on 29500.
-launch_node --standalone --max-restarts="${MAX_RESTARTS:-0}" -m {{ cookiecutter.package_name }}.train "$@"
+launch_node --standalone --max-restarts="${MAX_RESTARTS:-0}" -m {{ cookiecutter.package_name }}.train \
+  --config "$PROJECT_ROOT/configs/default.yaml" "$@"  # a --config of yours comes later and wins

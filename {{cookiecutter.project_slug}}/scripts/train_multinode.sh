@@ -25,4 +25,5 @@ else
   rendezvous=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="${MASTER_PORT:-29622}"
     --max-restarts="${MAX_RESTARTS:-0}")
 fi
-launch_node --nnodes="$NNODES" "${rendezvous[@]}" -m {{ cookiecutter.package_name }}.train "$@"
+launch_node --nnodes="$NNODES" "${rendezvous[@]}" -m {{ cookiecutter.package_name }}.train \
+  --config "$PROJECT_ROOT/configs/default.yaml" "$@"  # a --config of yours comes later and wins

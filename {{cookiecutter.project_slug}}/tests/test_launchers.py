@@ -5,9 +5,10 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_losses
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_losses
 
 SCRIPTS = PROJECT / "scripts"
 
@@ -39,6 +40,25 @@ def test_train_sh_trains_on_two_cpu_processes_while_29500_is_taken(tmp_path):
         )
     assert "world size 2 (2 per node), backend gloo" in result.stdout
     assert "done: 20 steps" in result.stdout
+
+
+@pytest.mark.slow
+def test_scripts_resolve_a_relative_config_and_out_dir_where_they_are_run(tmp_path):
+    (tmp_path / "mine.yaml").write_text(Path(SMOKE_CONFIG).read_text())
+    command = [
+        "bash",
+        str(SCRIPTS / "train.sh"),
+        "--config",
+        "mine.yaml",
+        *TINY,
+        "train.max_steps=5",
+        "run.out_dir=here",
+    ]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=project_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "here" / "smoke" / "metrics.jsonl").exists()
 
 
 def multinode_env(tmp_path, **extra):
