@@ -6,10 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from {{ cookiecutter.package_name }} import launch
 
 PROJECT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package_name }}"
@@ -96,3 +99,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def wait_for(predicate, timeout: float) -> None:
+    """Poll `predicate` every 0.1 s; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`."""
+    children = launch.children(pid)
+    return children + [p for child in children for p in descendants(child)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_args
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_args, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, config, optim
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
@@ -95,13 +95,6 @@ def worker_pid(launcher_pid: int, rank: int) -> int | None:
         if f"RANK={rank}".encode() in environ:
             return int(pid)
     return None
-
-
-def wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
 
 
 @pytest.mark.slow

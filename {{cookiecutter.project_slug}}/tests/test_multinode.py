@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, train_losses
+from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, train_losses, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, launch
 
@@ -67,18 +67,6 @@ def finish(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
             for pid in [node.pid, *descendants(node.pid)]:  # torchrun runs in a session of its own
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-
-
-def descendants(pid: int) -> list[int]:
-    children = launch.children(pid)
-    return children + [p for child in children for p in descendants(child)]
-
-
-def wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
 
 
 def worker_of(node: subprocess.Popen) -> int:

@@ -14,13 +14,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run
-
-from {{ cookiecutter.package_name }} import launch
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, run, wait_for
 
 SBATCH = PROJECT / "scripts" / "train.sbatch"
 
@@ -171,20 +168,8 @@ def time_limit_warning(job: subprocess.Popen, tmp_path) -> None:
     if spec.startswith("B:"):
         os.kill(job.pid, sig)  # the batch shell only
         return
-    for pid in step_processes(int((tmp_path / "srun.pid").read_text())):  # not the batch shell
+    for pid in descendants(int((tmp_path / "srun.pid").read_text())):  # not the batch shell
         os.kill(pid, sig)
-
-
-def step_processes(pid: int) -> list[int]:
-    children = launch.children(pid)
-    return children + [p for child in children for p in step_processes(child)]
-
-
-def wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
