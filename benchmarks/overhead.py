@@ -28,10 +28,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE.parent
-SETTINGS = {
+SETTINGS = {  # every optional output off, except in the row that states TensorBoard's cost
     "fp32": ["train.precision=fp32"],
     "bf16": ["train.precision=bf16"],
     "fp32 accum4": ["train.precision=fp32", "train.grad_accum_steps=4"],
+    "fp32 + TensorBoard": ["train.precision=fp32", "run.tensorboard=true"],
 }
 
 
@@ -71,8 +72,8 @@ def launch(
         script,
         "--config",
         str(project / "configs" / "default.yaml"),
-        *overrides,
         *common_overrides(out, steps),
+        *overrides,  # after the common ones, so a setting can switch an output back on
         python=python,
     )
     subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, timeout=600)
@@ -91,6 +92,7 @@ def common_overrides(out: Path, steps: int) -> list[str]:
         f"checkpoint.every_steps={steps}",
         "data.num_workers=0",
         "train.sync_batchnorm=false",
+        "run.tensorboard=false",
     ]
 
 
@@ -115,8 +117,8 @@ def steady_state(project: Path, overrides: list[str], out: Path, chunks: int, ch
         str(chunks),
         "--chunk-steps",
         str(chunk_steps),
-        *overrides,
         *common_overrides(out, steps),
+        *overrides,
     )
     subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, timeout=1200)
     return json.loads(timings.read_text())

@@ -188,6 +188,7 @@ def main() -> None:
             "wrapping": prove_wrapping(args.overrides, info),
         }
     if info.is_main:
+        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"proofs-{info.world_size}.json").write_text(json.dumps(results))
     dist.teardown(info)
 
