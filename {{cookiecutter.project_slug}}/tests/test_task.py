@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import config, loaders, preflight, task
+from {{ cookiecutter.package_name }} import config, loaders, preflight, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.preflight import TaskError
 
@@ -65,6 +65,25 @@ def test_a_main_metric_that_metrics_does_not_return_is_named(pieces, monkeypatch
     monkeypatch.setattr(task, "MAIN_METRIC", ("f1", "max"))
     with pytest.raises(TaskError, match="task.MAIN_METRIC is \\('f1', 'max'\\)"):
         preflight.check_task(*pieces)
+
+
+def test_a_declared_terms_per_sample_that_count_terms_contradicts_is_named(pieces, monkeypatch):
+    monkeypatch.setattr(task, "TERMS_PER_SAMPLE", 3)
+    with pytest.raises(TaskError, match="returned 2 for 2 samples, but task.TERMS_PER_SAMPLE is 3"):
+        preflight.check_task(*pieces)
+
+
+def test_fixed_terms_per_sample_need_no_collective_and_are_checked_every_step(pieces, monkeypatch):
+    _, (train_set, train_loader), _ = pieces
+    batches = [loaders.first_samples(train_set, train_loader, 4), loaders.first_samples(train_set, train_loader, 4)]
+    world = DistInfo(0, 0, 4, 4, torch.device("cpu"), "gloo")
+    collectives = []
+    monkeypatch.setattr(train.dist, "all_reduce_sum", lambda tensor: collectives.append(tensor) or tensor * 4)
+    assert train.step_terms(8.0, batches, world) == 32.0 and not collectives
+    with pytest.raises(TaskError, match="count_terms gave 9 terms for 8 samples, but task.TERMS_PER_SAMPLE is 1"):
+        train.step_terms(9.0, batches, world)
+    monkeypatch.setattr(task, "TERMS_PER_SAMPLE", None)  # a varying count: the general path all-reduces it
+    assert train.step_terms(8.0, batches, world).item() == 32.0 and len(collectives) == 1
 
 
 def test_an_empty_dataset_is_named(pieces):

@@ -15,6 +15,7 @@ from .model import build_model
 
 __all__ = [
     "MAIN_METRIC",
+    "TERMS_PER_SAMPLE",
     "build_datasets",
     "build_model",
     "count_terms",
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 MAIN_METRIC = ("perplexity", "min")
+TERMS_PER_SAMPLE = None  # valid tokens vary with padding
 
 
 def count_terms(batch) -> int:

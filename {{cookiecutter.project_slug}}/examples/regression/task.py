@@ -13,6 +13,7 @@ from .model import build_model
 
 __all__ = [
     "MAIN_METRIC",
+    "TERMS_PER_SAMPLE",
     "build_datasets",
     "build_model",
     "count_terms",
@@ -23,6 +24,7 @@ __all__ = [
 ]
 
 MAIN_METRIC = ("rmse", "min")
+TERMS_PER_SAMPLE = None  # one per target value; the number of targets is a data setting
 
 
 def count_terms(batch) -> int:

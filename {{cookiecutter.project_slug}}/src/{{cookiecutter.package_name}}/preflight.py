@@ -82,6 +82,13 @@ def _check_loss(model: nn.Module, batch) -> None:
         raise TaskError(f"task.count_terms(batch) raised {_error(err)}; batch {describe(batch)}") from err
     if not terms >= 0 or not math.isfinite(terms):
         raise TaskError(f"task.count_terms(batch) returned {terms}; expected a number of loss terms >= 0")
+    declared = task.TERMS_PER_SAMPLE
+    if declared is not None and terms != declared * num_samples(batch):
+        raise TaskError(
+            f"task.count_terms(batch) returned {terms:g} for {num_samples(batch)} samples, but "
+            f"task.TERMS_PER_SAMPLE is {declared!r}: set it to the terms each sample holds, or to None "
+            "when the count varies (padding, masks)"
+        )
 
 
 def _check_eval(model: nn.Module, batch) -> None:

@@ -7,6 +7,7 @@ they call only these:
     build_datasets(cfg)       -> (train, eval) map-style datasets          (data.py)
     to_device(batch, device)  -> the batch on the device
     count_terms(batch)        -> how many loss terms the batch holds (samples, valid tokens, ...)
+    TERMS_PER_SAMPLE          -> the terms every sample holds, or None when the count varies
     loss_sum(model, batch)    -> the SUM of the loss over those terms: a scalar tensor
     eval_sums(model, batch)   -> {name: tensor of shape (samples,)}: per-sample sums
     metrics(totals)           -> {name: value} from those sums over the whole eval set, plus
@@ -17,6 +18,9 @@ Why sums and counts: the loop divides the summed loss by the number of terms ove
 rank and micro-batch of the optimizer step, so the gradient is that of one process on the
 union of the batches even when ranks hold different numbers of terms (padding, masks);
 a mean of per-rank means would weigh a rank with few terms as much as one with many.
+Counting the terms of every rank costs one small all-reduce per step; a task whose samples
+all hold the same number of terms sets TERMS_PER_SAMPLE and the loop skips it (and checks
+the count it declares on every step).
 Evaluation sums per sample so the loop can drop the samples DistributedSampler repeats.
 `count_terms` is called on the batch as the loader yields it, before it moves to the device.
 """
@@ -33,6 +37,7 @@ from .model import build_model
 
 __all__ = [
     "MAIN_METRIC",
+    "TERMS_PER_SAMPLE",
     "build_datasets",
     "build_model",
     "count_terms",
@@ -43,6 +48,7 @@ __all__ = [
 ]
 
 MAIN_METRIC = ("accuracy", "max")
+TERMS_PER_SAMPLE = 1  # one label per sample
 
 
 def count_terms(batch) -> int:

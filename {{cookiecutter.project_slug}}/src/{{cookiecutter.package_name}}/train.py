@@ -28,7 +28,7 @@ from .checkpoint import TrainState
 from .config import Config, ConfigError
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
-from .preflight import check_task
+from .preflight import TaskError, check_task
 from .profiling import profile_window
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -251,7 +251,7 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     union of all the micro-batches, however the terms are spread over ranks.
     """
     local_terms = float(sum(task.count_terms(batch) for batch in micro_batches))
-    loss_scale = info.world_size / step_terms(local_terms, info)
+    loss_scale = info.world_size / step_terms(local_terms, micro_batches, info)
     total = torch.zeros((), device=info.device)
     for index, batch in enumerate(micro_batches):
         syncs = index == len(micro_batches) - 1  # only the last micro-batch all-reduces
@@ -263,8 +263,25 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     return total, local_terms
 
 
-def step_terms(local_terms: float, info: DistInfo) -> torch.Tensor:
-    """Loss terms of this optimizer step summed over ranks, left on the device (no host sync)."""
+def step_terms(local_terms: float, micro_batches: list, info: DistInfo) -> float | torch.Tensor:
+    """Loss terms of this optimizer step summed over every rank.
+
+    When each sample holds task.TERMS_PER_SAMPLE terms no collective is needed: every rank
+    runs the same number of full batches (drop_last), so the sum is world size x local.
+    Otherwise one scalar all-reduce, its result left on the device (no host sync).
+    """
+    if task.TERMS_PER_SAMPLE is None:
+        return all_reduced_terms(local_terms, info)
+    samples = sum(loaders.num_samples(batch) for batch in micro_batches)
+    if local_terms != task.TERMS_PER_SAMPLE * samples:
+        raise TaskError(
+            f"task.count_terms gave {local_terms:g} terms for {samples} samples, but task.TERMS_PER_SAMPLE "
+            f"is {task.TERMS_PER_SAMPLE}: set TERMS_PER_SAMPLE = None when the count varies (padding, masks)"
+        )
+    return local_terms * info.world_size
+
+
+def all_reduced_terms(local_terms: float, info: DistInfo) -> torch.Tensor:
     terms = torch.tensor(local_terms, dtype=torch.float32)
     if info.device.type == "cuda":
         terms = terms.pin_memory()  # a pageable copy would wait for the queued kernels
