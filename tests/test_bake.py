@@ -58,6 +58,7 @@ COMMON_FILES = {
 PACKAGE_FILES = {
     "__init__.py",
     "checkpoint.py",
+    "checks.py",
     "config.py",
     "data.py",
     "diagnose.py",

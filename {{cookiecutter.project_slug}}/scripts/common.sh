@@ -6,7 +6,6 @@
 PROJECT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$PROJECT_ROOT/src${PYTHONPATH:+:$PYTHONPATH}"  # works without `pip install -e .`
 export PLANNED_GPUS_PER_NODE={{ cookiecutter.gpus_per_node }}  # the number this project was generated for
-PREEMPTED_EXIT_CODE=75  # same as checkpoint.PREEMPTED_EXIT_CODE: stopped early, rerun (or requeue) to resume
 if [[ -n "${IFNAME:-}" ]]; then
   export NCCL_SOCKET_IFNAME="$IFNAME" GLOO_SOCKET_IFNAME="$IFNAME"
 fi

@@ -2,7 +2,8 @@
 # Train on every GPU of this node (P29), or on 2 CPU processes where there is none.
 #   scripts/train.sh [--config configs/default.yaml] [section.key=value ...]
 # Environment: NPROC_PER_NODE (default: visible GPUs, else 2), OMP_NUM_THREADS, MAX_RESTARTS.
-# Ctrl-C or TERM: checkpoint at the next log step and exit 75 (rerun to resume); twice: stop now.
+# TERM, HUP or USR1: checkpoint at the next log step and exit 75 (rerun or requeue to resume);
+# Ctrl-C: the same checkpoint, exit 130; a second signal: stop now.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 

@@ -8,7 +8,8 @@
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/train_multinode.sh [overrides...]
 #
 # runs/ (run.out_dir) must be on a filesystem every node shares: every rank loads the checkpoint.
-# Ctrl-C or TERM on any one node: every node checkpoints at the next log step and exits 75.
+# Ctrl-C or TERM on any one node: every node checkpoints at the next log step and exits 75
+# (the node where Ctrl-C was pressed exits 130: a stop of yours, not a preemption to requeue).
 # Environment: NPROC_PER_NODE, IFNAME (network interface for NCCL/gloo, e.g. eth0 or ib0),
 # MAX_RESTARTS (c10d: 3; static: 0), MASTER_PORT (default 29622, away from the crowded 29500).
 set -euo pipefail
@@ -22,8 +23,8 @@ else
   : "${NODE_RANK:?set NODE_RANK (0 on the master node) or RDZV_ENDPOINT for c10d rendezvous}"
   : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
   # a static rendezvous cannot tell the nodes that one of them restarted: restarts need c10d
-  rendezvous=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --master-port="${MASTER_PORT:-29622}"
-    --max-restarts="${MAX_RESTARTS:-0}")
+  rendezvous=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --max-restarts="${MAX_RESTARTS:-0}"
+    ${MASTER_PORT:+--master-port="$MASTER_PORT"})  # without it the launcher picks its default, 29622
 fi
 launch_node --nnodes="$NNODES" "${rendezvous[@]}" -m {{ cookiecutter.package_name }}.train \
   --config "$PROJECT_ROOT/configs/default.yaml" "$@"  # a --config of yours comes later and wins

@@ -140,12 +140,12 @@ def test_preemption_is_reported_to_the_launcher_with_exit_0(monkeypatch, tmp_pat
     ignored = []
     monkeypatch.setattr(dist.signal, "signal", lambda sig, handler: ignored.append((sig, handler)))
     marker = tmp_path / "preempted"
-    monkeypatch.setenv(dist.PREEMPTION_MARKER_ENV, str(marker))
+    monkeypatch.setenv(launch.MARKER_ENV, str(marker))
     # exit 0: torchrun restarts workers that exit non-zero, and on several nodes the restarted
     # ones wait for a rendezvous the stopped nodes never join; the launcher exits 75 instead
-    assert dist.report_preemption(checkpoint.PREEMPTED_EXIT_CODE) == 0 and marker.exists()
-    monkeypatch.delenv(dist.PREEMPTION_MARKER_ENV)
-    assert dist.report_preemption(checkpoint.PREEMPTED_EXIT_CODE) == checkpoint.PREEMPTED_EXIT_CODE
+    assert dist.report_preemption(launch.PREEMPTED_EXIT_CODE) == 0 and marker.exists()
+    monkeypatch.delenv(launch.MARKER_ENV)
+    assert dist.report_preemption(launch.PREEMPTED_EXIT_CODE) == launch.PREEMPTED_EXIT_CODE
     # from then on a late stop signal cannot kill the rank while Python drops its handlers at exit
     assert ignored[-1] == (launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
 
@@ -155,19 +155,18 @@ def test_a_new_attempt_forgets_a_preemption_the_previous_one_reported(monkeypatc
     # report a preemption, but the restarted attempt finishing must end the launcher with 0
     marker = tmp_path / "preempted"
     marker.touch()
-    monkeypatch.setenv(dist.PREEMPTION_MARKER_ENV, str(marker))
+    monkeypatch.setenv(launch.MARKER_ENV, str(marker))
     fake_init(monkeypatch, visible_gpus=0)
     dist.init(DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo"), timeout_minutes=1)
     assert not marker.exists()
 
 
 def test_launcher_and_workers_agree_on_the_preemption_contract():
-    assert launch.PREEMPTED_EXIT_CODE == checkpoint.PREEMPTED_EXIT_CODE
-    assert dist.PREEMPTION_MARKER_ENV == launch.MARKER_ENV
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     flag = checkpoint.PreemptionFlag()  # the workers' handler covers the signal the launcher sends
     try:
         assert signal.getsignal(launch.WORKER_STOP_SIGNAL) == flag._handle
+        assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]  # a failed peer's SIGTERM ends the rank
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

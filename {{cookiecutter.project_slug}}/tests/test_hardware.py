@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import dist, hardware
+from {{ cookiecutter.package_name }} import checks, dist, hardware
 from {{ cookiecutter.package_name }}.hardware import Gpu
 
 
@@ -97,22 +97,22 @@ def rows_by_topic(rows):
 def test_doctor_flags_bf16_on_volta_and_counts_gpus_like_the_launcher():
     found = [Gpu(0, "Tesla V100", (7, 0), "GPU-a"), Gpu(1, "Tesla V100", (7, 0), "GPU-b")]
     rows = rows_by_topic(hardware.doctor_rows("bf16", found, "2.21.5", planned=8))
-    assert rows["GPUs"][0] == hardware.WARN and "2 visible (the count the launch scripts use)" in rows["GPUs"][1]
-    assert rows["GPU 0"][0] == hardware.FAIL and "train.precision=fp16" in rows["GPU 0"][1]
-    assert rows["NCCL"] == (hardware.OK, "2.21.5")
+    assert rows["GPUs"][0] == checks.WARN and "2 visible (the count the launch scripts use)" in rows["GPUs"][1]
+    assert rows["GPU 0"][0] == checks.FAIL and "train.precision=fp16" in rows["GPU 0"][1]
+    assert rows["NCCL"] == (checks.PASS, "2.21.5")
 
 
 def test_doctor_fails_without_nccl_and_warns_on_mig():
     found = [Gpu(0, "NVIDIA A100-SXM4-40GB MIG 3g.20gb", (8, 0), "MIG-a")]
     rows = rows_by_topic(hardware.doctor_rows("bf16", found, None, planned=1))
-    assert rows["NCCL"][0] == hardware.FAIL
-    assert rows["MIG"][0] == hardware.WARN and "NPROC_PER_NODE=1" in rows["MIG"][1]
-    assert rows["GPU 0"][0] == hardware.OK
+    assert rows["NCCL"][0] == checks.FAIL
+    assert rows["MIG"][0] == checks.WARN and "NPROC_PER_NODE=1" in rows["MIG"][1]
+    assert rows["GPU 0"][0] == checks.PASS
 
 
 def test_doctor_on_a_cpu_machine():
     ((verdict, topic, detail),) = hardware.doctor_rows("bf16", [], None, planned=8)
-    assert topic == "GPUs" and verdict == hardware.WARN and "2 processes" in detail
+    assert topic == "GPUs" and verdict == checks.WARN and "2 processes" in detail
 
 
 def test_compile_with_syncbn_is_called_out():
@@ -120,3 +120,16 @@ def test_compile_with_syncbn_is_called_out():
     assert "pytorch#161302" in dist.syncbn_compile_note(model, compile_model=True)
     assert dist.syncbn_compile_note(model, compile_model=False) is None
     assert dist.syncbn_compile_note(nn.Sequential(nn.BatchNorm1d(4)), compile_model=True) is None
+
+
+def test_smoke_and_doctor_print_one_table_whose_failures_set_the_exit_code():
+    rows = [(checks.PASS, "NCCL", "2.21.5"), (checks.WARN, "MIG", "one process"), (checks.SKIP, "GPU 0", "none")]
+    assert checks.table("doctor", rows).splitlines() == [
+        "PASS  NCCL   2.21.5",
+        "WARN  MIG    one process",
+        "SKIP  GPU 0  none",
+        "doctor: PASS (0 failed, 1 warnings)",
+    ]
+    assert checks.exit_code(rows) == 0
+    rows.append((checks.FAIL, "bf16", "emulated"))
+    assert checks.table("smoke", rows).endswith("smoke: FAIL (1 failed, 1 warnings)") and checks.exit_code(rows) == 1

@@ -73,18 +73,36 @@ def test_prepare_keeps_the_users_thread_count():
     assert child_env["OMP_NUM_THREADS"] == "3"
 
 
+TERM, INT = signal.SIGTERM, signal.SIGINT
+
+
 @pytest.mark.parametrize(
-    ("status", "stopped", "preempted", "expected"),
-    [(0, False, False, 0), (1, False, False, 1), (0, True, True, 75), (1, True, False, 75), (0, True, False, 0)],
+    ("status", "stop", "preempted", "expected"),
+    [
+        (0, None, False, 0),
+        (1, None, False, 1),
+        (0, TERM, True, 75),  # the workers checkpointed on the launcher's request
+        (0, None, True, 75),  # ... or on SLURM's USR1, sent to them directly
+        (0, INT, True, 130),  # Ctrl-C: checkpointed, but a stop of the user's, nothing to requeue
+        (1, TERM, False, 1),  # stopped before any checkpoint (a second signal): torchrun's failure
+        (0, TERM, False, 0),  # the run finished before the stop took effect
+    ],
 )
-def test_exit_status(status, stopped, preempted, expected):
-    # 75 when the workers report a preemption (they exit 0 so that torchrun restarts nothing),
-    # or when a stop was asked for and the run did not finish; a run that finished is a success
-    assert launch.exit_status(status, stopped, preempted) == expected
+def test_only_a_checkpointed_preemption_exits_75(status, stop, preempted, expected):
+    assert launch.exit_status(status, stop, preempted) == expected
 
 
 def test_a_worker_killed_by_a_signal_is_reported_like_a_shell_does():
-    assert launch.exit_status(-9, False, False) == 137
+    assert launch.exit_status(-9, None, False) == 137
+
+
+def test_a_static_rendezvous_gets_the_default_port_unless_one_is_given():
+    command, _ = launch.prepare(["--master-addr=10.0.0.1", "-m", "x"], {}, gpus=0, affinity=4)
+    assert f"--master-port={launch.DEFAULT_MASTER_PORT}" in command
+    command, _ = launch.prepare(["--master-addr=10.0.0.1", "--master-port=4000", "-m", "x"], {}, gpus=0, affinity=4)
+    assert not any(arg.startswith("--master-port=") and arg != "--master-port=4000" for arg in command)
+    command, _ = launch.prepare(["--standalone", "-m", "x"], {}, gpus=0, affinity=4)
+    assert not any(arg.startswith("--master-port") for arg in command)
 
 
 def test_free_port_is_derived_from_the_job_and_skips_a_busy_one():
@@ -125,7 +143,7 @@ sys.exit(subprocess.call([sys.executable, "-c", worker]))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
-def test_a_stop_reaches_the_workers_and_ends_with_75(stop):
+def test_a_stop_reaches_the_workers_and_ends_with_75_or_130_for_ctrl_c(stop):
     script = (
         "import signal, sys\n"
         "from {{ cookiecutter.package_name }} import launch\n"
@@ -135,6 +153,7 @@ def test_a_stop_reaches_the_workers_and_ends_with_75(stop):
     try:
         time.sleep(1.5)  # the worker is running
         supervisor.send_signal(stop)
-        assert supervisor.wait(timeout=20) == launch.PREEMPTED_EXIT_CODE
+        expected = launch.INTERRUPTED_EXIT_CODE if stop == signal.SIGINT else launch.PREEMPTED_EXIT_CODE
+        assert supervisor.wait(timeout=20) == expected
     finally:
         supervisor.kill()

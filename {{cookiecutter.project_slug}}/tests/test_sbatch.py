@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, run, wait_for
 
+from {{ cookiecutter.package_name }} import launch
+
 SBATCH = PROJECT / "scripts" / "train.sbatch"
 
 SRUN = """#!python
@@ -133,7 +135,7 @@ def test_sbatch_builds_the_launch_command(tmp_path):
     assert "--nnodes=2" in args and "--rdzv-backend=c10d" in args and "--rdzv-id=4242" in args
     assert "--max-restarts=3" in args
     port = int(next(a for a in args if a.startswith("--rdzv-endpoint=gpu-node-1:")).rsplit(":", 1)[1])
-    assert port != 29622 and 24242 <= port < 24442  # this job's own port, derived from its id
+    assert port != launch.DEFAULT_MASTER_PORT and 24242 <= port < 24442  # this job's own port, derived from its id
     assert args[[i for i, a in enumerate(args) if a == "-m"][-1] + 1] == f"{PACKAGE}.train"
     assert args[-3:] == ["run.name=slurm-4242", "checkpoint.resume=auto", "train.lr=3e-4"]
 

@@ -22,10 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dist
+from . import dist, launch
 from .dist import DistInfo
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; launchers requeue on it
 
 
 @dataclass
@@ -253,12 +251,16 @@ def _unshared(weights: dict) -> dict:
 
 
 class PreemptionFlag:
-    """Set by SIGTERM / SIGUSR1; the loop checks it at a step boundary on all ranks together.
+    """Set by SIGUSR1, the stop signal of the node launcher and of SLURM's warning; the loop
+    checks it at a step boundary on all ranks together.
 
+    SIGTERM keeps its default and ends the rank at once: torchrun sends it to the survivors
+    when a peer fails, and a rank that trapped it would run on until torchrun's SIGKILL 30 s
+    later. The launch scripts turn a TERM sent to them into SIGUSR1 for the workers.
     `PreemptionFlag(signals=())` is never set: for runs that must not trap signals (smoke check).
     """
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGUSR1)):
+    def __init__(self, signals=(launch.WORKER_STOP_SIGNAL,)):
         self.requested = False
         for sig in signals:
             signal.signal(sig, self._handle)

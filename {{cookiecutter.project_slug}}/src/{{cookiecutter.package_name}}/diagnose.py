@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from . import config, dist, hardware, launch, loaders, task
+from . import checks, config, dist, hardware, launch, loaders, task
+from .checks import PASS, WARN
 from .config import Config
 from .dist import DistInfo, cpus_available
 
-OK, WARN, FAIL = "ok", "WARN", "FAIL"
-DEFAULT_MASTER_PORT = 29622  # the launch scripts' default: away from the crowded 29500
 INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
 
 
@@ -42,15 +41,16 @@ def port_is_free(port: int) -> bool:
 
 def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, str, str]]:
     """(verdict, topic, detail) rows about this machine for this config."""
-    rows = [(OK, "python", f"{platform.python_version()} on {platform.machine()}"), (OK, "torch", torch.__version__)]
+    python = f"{platform.python_version()} on {platform.machine()}"
+    rows = [(PASS, "python", python), (PASS, "torch", torch.__version__)]
     found = hardware.gpus()  # counted as the launcher counts them (CUDA's view), with their capabilities
     if found:
-        rows.append((OK, "cuda", str(torch.version.cuda)))
+        rows.append((PASS, "cuda", str(torch.version.cuda)))
     rows += hardware.doctor_rows(cfg.train.precision, found, hardware.nccl_version(), cfg.dist.gpus_per_node)
     ranks = nproc or len(found) or launch.CPU_PROCESSES
     for port in ports:
         if port_is_free(port):
-            rows.append((OK, f"port {port}", "free"))
+            rows.append((PASS, f"port {port}", "free"))
         else:
             rows.append(
                 (
@@ -63,7 +63,7 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
     rows += cpu_rows(cfg, ranks)
     rows.append(shm_row(cfg, ranks))
     for name in sorted(k for k in os.environ if k.startswith("NCCL_") or k in INTERESTING_ENV):
-        rows.append((OK, "env", f"{name}={os.environ[name]}"))
+        rows.append((PASS, "env", f"{name}={os.environ[name]}"))
     return rows
 
 
@@ -72,17 +72,17 @@ def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
     auto = loaders.workers_per_rank(cpus, ranks, cfg.data.max_workers)
     workers = loaders.resolve_workers(cfg, cpus, ranks)
     processes = ranks * (workers + 1)
-    verdict = OK if processes <= cpus else WARN
+    verdict = PASS if processes <= cpus else WARN
     rows = [
         (
             verdict,
             "CPU workers",
             f"{ranks} ranks x ({workers} loader workers + 1) = {processes} processes "
-            f"on {cpus} CPUs" + ("" if verdict == OK else f"; oversubscribed: use data.num_workers=auto ({auto})"),
+            f"on {cpus} CPUs" + ("" if verdict == PASS else f"; oversubscribed: use data.num_workers=auto ({auto})"),
         )
     ]
     threads = dist.intra_op_threads(ranks)  # what training will use
-    verdict = OK if threads * ranks <= cpus else WARN
+    verdict = PASS if threads * ranks <= cpus else WARN
     rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {cpus} CPUs"))
     return rows
 
@@ -90,10 +90,10 @@ def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
 def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
     """Loader workers hand batches over through /dev/shm; docker's default 64 MiB is too small."""
     if not Path("/dev/shm").exists():
-        return OK, "/dev/shm", "absent (not Linux); loader workers use other shared memory"
+        return PASS, "/dev/shm", "absent (not Linux); loader workers use other shared memory"
     free_gib = shutil.disk_usage("/dev/shm").free / 2**30
-    verdict = OK if free_gib >= 1 else WARN
-    hint = "" if verdict == OK else "; loader workers may crash with 'bus error': raise it (docker --shm-size=8g)"
+    verdict = PASS if free_gib >= 1 else WARN
+    hint = "" if verdict == PASS else "; loader workers may crash with 'bus error': raise it (docker --shm-size=8g)"
     return verdict, "/dev/shm", f"{free_gib:.1f} GiB free{hint}"
 
 
@@ -205,7 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=["doctor", "unused", "scaling"])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--nproc", type=int, default=None, help="processes per node (default: GPUs, else 2)")
-    parser.add_argument("--port", type=int, action="append", help="ports to check (default 29500 and 29622)")
+    ports = f"ports to check (default 29500 and {launch.DEFAULT_MASTER_PORT})"
+    parser.add_argument("--port", type=int, action="append", help=ports)
     parser.add_argument("--model", default=None, help="module:function building the model (default: build_model)")
     parser.add_argument("--steps", type=int, default=60, help="steps per scaling run")
     parser.add_argument("--out", default=None, help="scaling: keep the two runs here (for `report`)")
@@ -214,10 +215,9 @@ def main(argv=None) -> int:
     with config.exit_on_user_error():
         cfg = config.load(args.config, args.overrides)
     if args.command == "doctor":
-        rows = doctor(cfg, args.nproc, args.port or [29500, DEFAULT_MASTER_PORT])
-        for verdict, topic, detail in rows:
-            print(f"{verdict:<4}  {topic:<12}  {detail}")
-        return 1 if any(verdict == FAIL for verdict, _, _ in rows) else 0
+        rows = doctor(cfg, args.nproc, args.port or [29500, launch.DEFAULT_MASTER_PORT])
+        print(checks.table("doctor", rows))
+        return checks.exit_code(rows)
     if args.command == "unused":
         names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
         if not names:

@@ -22,8 +22,6 @@ import torch.distributed as torch_dist
 
 from . import launch
 
-PREEMPTION_MARKER_ENV = launch.MARKER_ENV  # set by the node launcher; see report_preemption
-
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -156,7 +154,7 @@ def report_preemption(exit_code: int) -> int:
     """
     # done: a late stop signal must not kill the rank while Python shuts down and drops its handlers
     signal.signal(launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
-    marker = os.environ.get(PREEMPTION_MARKER_ENV)
+    marker = os.environ.get(launch.MARKER_ENV)
     if not marker:
         return exit_code
     Path(marker).touch()
@@ -167,7 +165,7 @@ def forget_earlier_preemption() -> None:
     """A new attempt has started (torchrun restarted the workers after a failure or a rejoin,
     when its SIGTERM may have made the old ones checkpoint and report a preemption): only this
     attempt's outcome decides whether the node launcher exits 75."""
-    marker = os.environ.get(PREEMPTION_MARKER_ENV)
+    marker = os.environ.get(launch.MARKER_ENV)
     if marker:
         Path(marker).unlink(missing_ok=True)
 

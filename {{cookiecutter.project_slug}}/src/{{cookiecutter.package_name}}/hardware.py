@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-OK, WARN, FAIL = "ok", "WARN", "FAIL"  # the doctor's verdicts (diagnose.py prints them)
+from .checks import FAIL, PASS, WARN
+
 BF16_NATIVE = (8, 0)  # Ampere: bf16 tensor cores; below it bf16 is emulated, several times slower
 FP16_TENSOR_CORES = (7, 0)  # Volta
 
@@ -103,9 +104,9 @@ def doctor_rows(precision: str, found: list[Gpu], nccl: str | None, planned: int
     """(verdict, topic, detail) rows about the GPUs for `diagnose doctor`."""
     launch = f"{len(found)} visible (the count the launch scripts use), project planned for {planned} per node"
     if not found:
-        return [(WARN if planned else OK, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
-    rows = [(OK if len(found) == planned else WARN, "GPUs", launch)]
-    rows.append((OK, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
+        return [(WARN if planned else PASS, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
+    rows = [(PASS if len(found) == planned else WARN, "GPUs", launch)]
+    rows.append((PASS, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
     for gpu in found:
         rows.append(_capability_row(precision, gpu))
     mig = [gpu.index for gpu in found if gpu.is_mig]
@@ -122,4 +123,4 @@ def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
         return FAIL, f"GPU {gpu.index}", detail + ": bf16 is emulated here; use train.precision=fp16"
     if precision == "fp16" and tuple(gpu.capability) < FP16_TENSOR_CORES:
         return WARN, f"GPU {gpu.index}", detail + ": no tensor cores, fp16 brings little; fp32 is as fast"
-    return OK, f"GPU {gpu.index}", detail + f": {precision} runs natively"
+    return PASS, f"GPU {gpu.index}", detail + f": {precision} runs natively"

@@ -2,6 +2,7 @@
 
     python -m {{ cookiecutter.package_name }}.launch [torchrun options] -m MODULE [arguments]
     python -m {{ cookiecutter.package_name }}.launch free-port SEED    # a free port for this node's rendezvous
+    python -m {{ cookiecutter.package_name }}.launch preempted-exit-code   # 75, for scripts that requeue on it
 
 It plans the node, then runs torchrun and stays with it:
 - processes: NPROC_PER_NODE, by default one per GPU that CUDA shows this process (which honours
@@ -13,8 +14,11 @@ It plans the node, then runs torchrun and stays with it:
   at their next log step (on every node), write a checkpoint and exit; a second one makes
   torchrun stop them at once. torchrun ignores SIGUSR1 (SLURM hands it to every process of the
   step): left to torchrun, a stop kills the workers 30 s later, checkpoint or not;
-- exit status: 75 (PREEMPTED_EXIT_CODE) when the workers stopped early, so a scheduler requeues
-  the job and a rerun resumes; otherwise torchrun's.
+- exit status: 75 (PREEMPTED_EXIT_CODE) when the workers checkpointed and stopped early on a
+  TERM, HUP or USR1 (a preemption), so a scheduler requeues the job and a rerun resumes; 130
+  when they did so on a Ctrl-C (the user's stop: nothing should requeue it); otherwise
+  torchrun's;
+- a static rendezvous (--master-addr) without --master-port uses DEFAULT_MASTER_PORT.
 Nothing here imports torch until it counts GPUs, so `free-port` answers at once.
 """
 
@@ -32,8 +36,10 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-PREEMPTED_EXIT_CODE = 75  # checkpoint.PREEMPTED_EXIT_CODE (tests keep the two equal)
-MARKER_ENV = "PREEMPTION_MARKER"  # dist.PREEMPTION_MARKER_ENV: where the workers report a preemption
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again": checkpointed on a preemption, requeue to resume
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status after Ctrl-C
+MARKER_ENV = "PREEMPTION_MARKER"  # where the workers report a preemption (dist.report_preemption)
+DEFAULT_MASTER_PORT = 29622  # a static rendezvous's default: away from the crowded 29500
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 WORKER_STOP_SIGNAL = signal.SIGUSR1  # what checkpoint.PreemptionFlag handles and torchrun ignores
 RESEND_SECONDS = 1.0  # how often workers that torchrun (re)starts after a stop request are looked for
@@ -99,6 +105,9 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
     """(torchrun command line, its environment) for this node."""
     planned = positive_int(environ.get("PLANNED_GPUS_PER_NODE"))
     processes, note = processes_per_node(environ.get("NPROC_PER_NODE"), gpus, planned)
+    static = any(arg.startswith("--master-addr") for arg in args)
+    if static and not any(arg.startswith("--master-port") for arg in args):
+        args = [f"--master-port={DEFAULT_MASTER_PORT}", *args]
     env = dict(environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_process(job_cpus(environ, affinity), processes)))
     # A fresh store for every rendezvous round, served by that round's rank 0. The shared agent
@@ -125,10 +134,11 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in found.stdout.split()]
 
 
-def exit_status(torchrun_status: int, stop_requested: bool, preempted: bool) -> int:
-    """The node's exit status: 75 when the workers stopped early, whatever torchrun made of it."""
-    if preempted or (stop_requested and torchrun_status != 0):
-        return PREEMPTED_EXIT_CODE
+def exit_status(torchrun_status: int, stop_signal: int | None, preempted: bool) -> int:
+    """The node's exit status. Only workers that checkpointed on a stop request (`preempted`)
+    make it 75 ("requeue me"), and not when the request was the user's Ctrl-C on this node."""
+    if preempted:
+        return INTERRUPTED_EXIT_CODE if stop_signal == signal.SIGINT else PREEMPTED_EXIT_CODE
     return torchrun_status if torchrun_status >= 0 else 128 - torchrun_status  # killed by a signal
 
 
@@ -137,6 +147,7 @@ class Supervisor:
 
     def __init__(self, command: list[str], env: dict):
         self.command, self.env, self.stops = command, env, 0
+        self.stop_signal: int | None = None  # the first stop signal received
         self.torchrun: subprocess.Popen | None = None
         self.told: set[int] = set()  # workers already sent the stop signal
 
@@ -152,7 +163,7 @@ class Supervisor:
                 self.command, env={**self.env, MARKER_ENV: str(marker)}, start_new_session=True, preexec_fn=_prepare
             )
             status = self._wait()
-            return exit_status(status, self.stops > 0, marker.exists())
+            return exit_status(status, self.stop_signal, marker.exists())
         finally:
             shutil.rmtree(marker_dir, ignore_errors=True)
 
@@ -169,6 +180,7 @@ class Supervisor:
         if self.torchrun is None:
             raise SystemExit(128 + signum)
         if self.stops == 1:
+            self.stop_signal = signum
             print(
                 f"launch: {signal.Signals(signum).name}: the workers checkpoint at their next log step and stop; "
                 "send it again to stop them now",
@@ -228,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args[:1] == ["free-port"]:
             print(free_port(int(args[1])))
+            return 0
+        if args[:1] == ["preempted-exit-code"]:
+            print(PREEMPTED_EXIT_CODE)
             return 0
         from .hardware import visible_gpus  # imports torch
 

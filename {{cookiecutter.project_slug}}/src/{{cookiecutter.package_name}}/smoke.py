@@ -21,10 +21,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, config, dist, hardware, task, train
+from . import checkpoint, checks, config, dist, hardware, task, train
+from .checks import FAIL, INFO, PASS, SKIP
 from .dist import DistInfo
-
-PASS, FAIL, SKIP, INFO = "PASS", "FAIL", "SKIP", "INFO"
 
 
 def digest(tensors) -> str:
@@ -127,35 +126,34 @@ def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
     return (PASS, "BatchNorm layers are SyncBatchNorm") if has_sync else (FAIL, "no SyncBatchNorm layer found")
 
 
-def run_checks(cfg, info: DistInfo) -> list[tuple[str, str, str]]:
-    results = [("device per rank", *check_devices(info)), ("backend", *check_backend(info))]
+def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
+    results = {"device per rank": check_devices(info), "backend": check_backend(info)}
     job = train.build(cfg, info)
     counter = CommCounter()
     if isinstance(job.model, DDP):
         job.model.register_comm_hook(counter, counting_allreduce_hook)
-    results.append(("gradients all-reduced", *check_gradients_reduced(job, cfg, info)))
+    results["gradients all-reduced"] = check_gradients_reduced(job, cfg, info)
     start = time.perf_counter()
     train.fit(job, cfg, info, train.training_log(job, cfg, info), checkpoint.PreemptionFlag(signals=()))
     elapsed = time.perf_counter() - start
 
     digests = dist.all_gather_objects(parameter_digest(job.state.model))
-    results.append(
-        ("parameters equal on all ranks", PASS if len(set(digests)) == 1 else FAIL, f"digests {sorted(set(digests))}")
-    )
+    same = len(set(digests)) == 1
+    results["parameters equal on all ranks"] = (PASS if same else FAIL, f"digests {sorted(set(digests))}")
     records = (
         [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()] if info.is_main else []
     )
-    results.append(("loss decreases", *dist.broadcast_object(_loss_trend(records))))
-    results.append(("one all-reduce per optimizer step", *_comm_check(counter, job, info)))
-    results.append(("precision", *check_precision(cfg, info, job.state.scaler)))
-    results.append(("SyncBatchNorm", *check_sync_batchnorm(cfg, info, job.model)))
-    results.append(("checkpoint round trip", *_checkpoint_round_trip(job, cfg, info)))
-    results.append(("eval counts every sample once", *_eval_count(job, cfg, info)))
+    results["loss decreases"] = dist.broadcast_object(_loss_trend(records))
+    results["one all-reduce per optimizer step"] = _comm_check(counter, job, info)
+    results["precision"] = check_precision(cfg, info, job.state.scaler)
+    results["SyncBatchNorm"] = check_sync_batchnorm(cfg, info, job.model)
+    results["checkpoint round trip"] = _checkpoint_round_trip(job, cfg, info)
+    results["eval counts every sample once"] = _eval_count(job, cfg, info)
     samples = job.state.step * job.global_batch
-    results.append(("throughput", INFO, f"{samples / elapsed:,.0f} samples/s over {job.state.step} steps"))
-    results.append(("peak memory per device", INFO, _peak_memory(info)))
+    results["throughput"] = (INFO, f"{samples / elapsed:,.0f} samples/s over {job.state.step} steps")
+    results["peak memory per device"] = (INFO, _peak_memory(info))
     # checks gather what they need from every rank; rank 0's verdicts decide everyone's exit code
-    return dist.broadcast_object(results)
+    return dist.broadcast_object([(verdict, name, detail) for name, (verdict, detail) in results.items()])
 
 
 def _loss_trend(records: list[dict]) -> tuple[str, str]:
@@ -197,14 +195,6 @@ def _peak_memory(info: DistInfo) -> str:
     return ", ".join(f"rank {i}: {mib:.0f} MiB" for i, mib in enumerate(peaks))
 
 
-def format_table(results: list[tuple[str, str, str]]) -> str:
-    width = max(len(name) for name, _, _ in results)
-    rows = [f"{verdict:<4}  {name:<{width}}  {detail}" for name, verdict, detail in results]
-    failed = sum(verdict == FAIL for _, verdict, _ in results)
-    rows.append(f"smoke: {'FAIL' if failed else 'PASS'} ({failed} failed)")
-    return "\n".join(rows)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smoke.yaml")
@@ -220,9 +210,9 @@ def main(argv=None) -> int:
             shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a clean run directory every time
         dist.barrier()
         results = run_checks(cfg, info)
-    dist.print0(info, format_table(results))
+    dist.print0(info, checks.table("smoke", results))
     dist.teardown(info)
-    return 1 if any(verdict == FAIL for _, verdict, _ in results) else 0
+    return checks.exit_code(results)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=8 -m {{ cookiecutter.package_name }}.train \\
         --config configs/default.yaml train.lr=3e-4                          # 8 GPUs, one node
     torchrun --nnodes=2 --node_rank=$NODE_RANK --nproc_per_node=8 \\
-        --master_addr=$MASTER_ADDR --master_port=29622 \\
+        --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT \\
         -m {{ cookiecutter.package_name }}.train --config configs/default.yaml          # 2 nodes
 Or use scripts/train.sh, scripts/train_multinode.sh and scripts/train.sbatch.
 """
@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, dist, hardware, loaders, optim, task, tensorboard
+from . import checkpoint, config, dist, hardware, launch, loaders, optim, task, tensorboard
 from .checkpoint import TrainState
 from .config import Config, ConfigError
 from .dist import DistInfo
@@ -122,7 +122,7 @@ def run(cfg: Config, info: DistInfo) -> int:
     save_checkpoint(job.state, cfg, info)
     if outcome is Outcome.PREEMPTED:
         dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
-        return dist.report_preemption(checkpoint.PREEMPTED_EXIT_CODE)
+        return dist.report_preemption(launch.PREEMPTED_EXIT_CODE)
     dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
     return 0
 
