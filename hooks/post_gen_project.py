@@ -1,10 +1,12 @@
 """Turn the answers into the project's settings.
 
-1. resolve the answers into config values (the only place this happens),
-2. write them into configs/default.yaml, keeping its comments,
-3. remove the per-project files that were not chosen (one table),
-4. record the answers and the template commit in .cookiecutter.json,
-5. print a short summary.
+1. put the chosen starter's files in place: starters/<task>/ mirrors the project, and each of
+   its files replaces the one at the same path (the classifier's seam and tests by default),
+2. resolve the answers into config values (the only place this happens),
+3. write them into configs/default.yaml, keeping its comments,
+4. remove the per-project files that were not chosen (one table),
+5. record the answers and the template commit in .cookiecutter.json,
+6. print a short summary.
 
 cruft runs this hook again on both renders it diffs for `cruft update`, so a file removed here
 stays out of the project after an update, even one the template adds to OPTIONAL_FILES later.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +29,10 @@ ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
 OPTIONAL_FILES = [
     ("slurm", False, ["scripts/train.sbatch", "tests/test_sbatch.py"]),
     ("license", "none", ["LICENSE"]),
+    # the worked swaps replace the classifier's seam files; a language model has its own
+    ("task", "language_model", ["examples", "tests/test_swaps.py"]),
 ]
+STARTERS = "starters"  # starters/<task>/...: the files a task replaces or adds
 # cookiecutter's replay format (`cookiecutter --replay-file`), plus the template commit for `cruft link`
 ANSWERS_FILE = ".cookiecutter.json"
 
@@ -37,7 +43,10 @@ def resolve(answers: dict) -> tuple[dict, list[str]]:
     batch, accum = int(answers["per_device_batch_size"]), int(answers["grad_accum_steps"])
     notes = []
     sync_bn = bool(answers["sync_batchnorm"])
-    if sync_bn and gpus * nodes == 1:
+    if sync_bn and answers["task"] == "language_model":
+        sync_bn = False
+        notes.append("SyncBatchNorm off: the language model has no BatchNorm (LayerNorm needs no sync)")
+    elif sync_bn and gpus * nodes == 1:
         sync_bn = False
         notes.append("SyncBatchNorm off: one GPU in total has nothing to synchronise")
     settings = {
@@ -81,12 +90,29 @@ def _yaml_scalar(value) -> str:
     return str(value)
 
 
+def place_starter(project: Path, task: str) -> list[str]:
+    """Move the chosen starter's files over the project's; drop every starter's folder."""
+    starter, placed = project / STARTERS / task, []
+    if starter.is_dir():
+        for source in sorted(path for path in starter.rglob("*") if path.is_file()):
+            name = source.relative_to(starter).as_posix()
+            (project / name).parent.mkdir(parents=True, exist_ok=True)
+            source.replace(project / name)
+            placed.append(name)
+    shutil.rmtree(project / STARTERS, ignore_errors=True)
+    return placed
+
+
 def remove_unchosen(project: Path, answers: dict) -> list[str]:
     removed = []
     for answer, dropping_value, files in OPTIONAL_FILES:
         if answers[answer] == dropping_value:
             for name in files:
-                (project / name).unlink(missing_ok=True)
+                path = project / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
                 removed.append(name)
     return removed
 
@@ -145,6 +171,7 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
 def main() -> int:
     answers = json.loads(ANSWERS_JSON)
     project = Path.cwd()
+    place_starter(project, answers["task"])
     settings, notes = resolve(answers)
     config_path = project / "configs" / "default.yaml"
     config_path.write_text(set_yaml_values(config_path.read_text(), settings))

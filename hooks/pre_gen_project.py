@@ -105,7 +105,7 @@ def validate(answers: dict) -> tuple[list[str], list[str]]:
     ]
     errors = [e for e in errors if e]
     warnings = []
-    if not errors and answers["sync_batchnorm"]:
+    if not errors and answers["sync_batchnorm"] and answers["task"] != "language_model":  # LM: no BatchNorm
         total_gpus = int(answers["gpus_per_node"]) * int(answers["num_nodes"])
         if total_gpus == 1:
             warnings.append("sync_batchnorm with 1 GPU in total has nothing to synchronise: it will be off")

@@ -2,7 +2,9 @@
 
 The defaults project runs every tier (`pytest --slow`: fault drills, launchers, the swaps);
 the others run the fast tier, which holds what their answers change (precision, accumulation,
-compile: the maths proofs and the unit tests).
+compile: the maths proofs and the unit tests). The language-model starter also runs the slow
+tests its task changes: its real-text training and sampling, the proofs on its own data, a
+bit-identical resume and the smoke check.
 """
 
 import os
@@ -12,28 +14,38 @@ import sys
 import pytest
 from conftest import BIN, bake
 
+LANGUAGE_MODEL_SLOW = [
+    "--slow",
+    "tests/test_task.py",
+    "tests/test_distributed.py",
+    "tests/test_faults.py::test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run",
+    "tests/test_launchers.py::test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons",
+]
+# answers -> the pytest runs, one argument list each
 REPRESENTATIVE = {
-    "defaults": ({}, ["--slow"]),
-    "fp16-accum4": ({"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False}, []),
-    "bf16-compile": ({"precision": "bf16", "compile": True, "slurm": False, "license": "none"}, []),
+    "defaults": ({}, [["--slow"]]),
+    "fp16-accum4": ({"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False}, [[]]),
+    "bf16-compile": ({"precision": "bf16", "compile": True, "slurm": False, "license": "none"}, [[]]),
+    "language-model": ({"task": "language_model"}, [[], LANGUAGE_MODEL_SLOW]),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("answers", "tier"), REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
-def test_generated_project_passes_its_own_tests(tmp_path, answers, tier):
+@pytest.mark.parametrize(("answers", "runs"), REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
+def test_generated_project_passes_its_own_tests(tmp_path, answers, runs):
     project = bake(tmp_path, **answers)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tier],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    print(f"{project.name} {answers}: {summary}")
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    assert " passed" in summary and " failed" not in summary
+    for arguments in runs:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *arguments],
+            cwd=project,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+        print(f"{project.name} {answers} {arguments}: {summary}")
+        assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+        assert " passed" in summary and " failed" not in summary
 
 
 @pytest.mark.slow

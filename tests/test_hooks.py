@@ -3,6 +3,7 @@
 import json
 import subprocess
 
+import jinja2
 import pytest
 import yaml
 from conftest import TEMPLATE, load_hook
@@ -16,6 +17,7 @@ DEFAULTS = {
     "package_name": "ddp_trainer",
     "description": "Distributed data-parallel training with PyTorch DDP.",
     "author": "Your Name",
+    "task": "classifier",
     "gpus_per_node": "8",
     "num_nodes": "1",
     "precision": "bf16",
@@ -89,8 +91,15 @@ def test_resolve_turns_sync_batchnorm_off_on_one_gpu():
     assert settings["train.sync_batchnorm"] is False and "one GPU" in notes[0]
 
 
+def test_the_language_model_needs_no_sync_batchnorm_and_says_why():
+    settings, notes = post.resolve(answers(task="language_model"))
+    assert settings["train.sync_batchnorm"] is False and "no BatchNorm" in notes[0]
+    assert pre.validate(answers(task="language_model", per_device_batch_size="4")) == ([], [])
+
+
 def test_set_yaml_values_keeps_comments_and_columns():
-    text = (TEMPLATE / "{{cookiecutter.project_slug}}" / "configs" / "default.yaml").read_text()
+    raw = (TEMPLATE / "{{cookiecutter.project_slug}}" / "configs" / "default.yaml").read_text()
+    text = jinja2.Template(raw, keep_trailing_newline=True).render(cookiecutter=DEFAULTS)
     new = post.set_yaml_values(text, {"train.precision": "fp16", "train.compile": True, "data.batch_size": 64})
     assert yaml.safe_load(new)["train"]["precision"] == "fp16" and yaml.safe_load(new)["data"]["batch_size"] == 64
     old_lines, new_lines = text.splitlines(), new.splitlines()

@@ -9,8 +9,8 @@
       slow:  every rank sleeps FAULT_SECONDS after each step (time to send a signal)
     Seam mistakes, on every rank (the preflight must stop them before training):
       wrong_output:    the model returns (B, C, 1) instead of (B, C) logits
-      wrong_structure: the datasets yield {"x": ..., "y": ...} instead of (inputs, label)
-      bad_label:       labels are shifted out of the range of classes
+      wrong_structure: the datasets yield {"sample": (...)} instead of the tuple the task unpacks
+      bad_label:       the labels (last item of each sample) are shifted far out of range
 The faults are injected from outside, through the task seam and the loop's own functions;
 the project's code has no test hooks and nothing in torch is patched.
 """
@@ -85,7 +85,7 @@ def failing_datasets(cfg, original=task.build_datasets):
 
 
 class Mapped:
-    """A dataset whose samples pass through `change`."""
+    """A dataset whose samples (tuples) pass through `change`."""
 
     def __init__(self, dataset, change):
         self.dataset, self.change = dataset, change
@@ -99,9 +99,9 @@ class Mapped:
 
 def mistaken_datasets(cfg, original=task.build_datasets):
     if FAULT == "wrong_structure":
-        change = lambda inputs, label: {"x": inputs, "y": label}  # noqa: E731
-    else:
-        change = lambda inputs, label: (inputs, label + cfg.dataset.num_classes)  # noqa: E731
+        change = lambda *sample: {"sample": sample}  # noqa: E731
+    else:  # bad_label: the last item, the label, far out of range of any class or vocabulary
+        change = lambda *sample: (*sample[:-1], sample[-1] + 10**6)  # noqa: E731
     return tuple(Mapped(dataset, change) for dataset in original(cfg))
 
 

@@ -21,6 +21,8 @@ from {{ cookiecutter.package_name }}.task import build_model
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
+# 128 steps: two epochs of the example classifier, past the first epoch of the language model
+STRAIGHT = (*EVERY_20, "train.max_steps=128")
 
 
 def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
@@ -56,15 +58,15 @@ def assert_bit_identical(a, b, path="state"):
 def straight_run(tmp_path_factory):
     """128 uninterrupted steps on 2 ranks: the reference for every resume."""
     out = tmp_path_factory.mktemp("straight")
-    torchrun(*train_args(out, *EVERY_20), timeout=180)
+    torchrun(*train_args(out, *STRAIGHT), timeout=180)
     return final_state(out / "smoke")
 
 
 @pytest.mark.slow
 def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, straight_run):
-    crashed = faulty_run(tmp_path, FAULT="crash", FAULT_RANK="1", FAULT_STEP="45")
+    crashed = faulty_run(tmp_path, "train.max_steps=128", FAULT="crash", FAULT_RANK="1", FAULT_STEP="45")
     assert crashed.returncode != 0 and "injected crash in step 45" in crashed.stderr
-    resumed = torchrun(*train_args(tmp_path, *EVERY_20), timeout=180)
+    resumed = torchrun(*train_args(tmp_path, *STRAIGHT), timeout=180)
     assert "resumed from" in resumed.stdout and "step_00000040.pt at step 40" in resumed.stdout  # mid-epoch 0
     result = final_state(tmp_path / "smoke")
     for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
@@ -76,6 +78,7 @@ def test_torchrun_restart_after_a_worker_failure_resumes_and_matches(tmp_path, s
     once = tmp_path / "failed-once"
     result = faulty_run(
         tmp_path,
+        "train.max_steps=128",
         launcher=("--max-restarts=1",),
         timeout=240,
         FAULT="crash",

@@ -133,3 +133,15 @@ def test_smoke_and_doctor_print_one_table_whose_failures_set_the_exit_code():
     assert checks.exit_code(rows) == 0
     rows.append((checks.FAIL, "bf16", "emulated"))
     assert checks.table("smoke", rows).endswith("smoke: FAIL (1 failed, 1 warnings)") and checks.exit_code(rows) == 1
+
+
+def test_peak_flops_come_from_the_config_a_known_gpu_or_nowhere(monkeypatch):
+    assert hardware.peak_flops(torch.device("cpu"), "bf16", 312.5) == (312.5e12, "run.peak_tflops")
+    assert hardware.peak_flops(torch.device("cpu"), "bf16", "auto")[0] is None  # n/a, not a made-up figure
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    assert hardware.peak_flops(torch.device("cuda", 0), "bf16", "auto") == (312e12, "NVIDIA A100-SXM4-80GB at bf16")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla V100-SXM2-16GB")
+    peak, why = hardware.peak_flops(torch.device("cuda", 0), "bf16", "auto")
+    assert peak is None and "set run.peak_tflops" in why
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 PCIe")
+    assert hardware.peak_flops(torch.device("cuda", 0), "fp16", "auto")[0] == 756e12

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.metrics import Totals, TrainingLog, real_sample_mask
+from {{ cookiecutter.package_name }}.metrics import Throughput, Totals, TrainingLog, real_sample_mask
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -69,3 +69,17 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     assert log.flush(step=4, epoch=0, lr=0.1, stop_requested=False)["fwd_bwd_ms"] == 0  # the clock restarts each window
     log.close()
     assert board.records[-1] == "closed"
+
+
+def test_throughput_and_mfu_count_every_rank_and_accumulated_sample():
+    info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "none")
+    log = TrainingLog(
+        info, "/dev/null", 1, 0, throughput=Throughput("tokens", 64, 794_880.0), peak=(1e12, "run.peak_tflops")
+    )
+    speed = log.speed(samples_per_s=100.0)  # over both ranks, micro-batches of accumulation included
+    assert speed["tokens_per_s"] == 6400.0
+    assert speed["mfu"] == pytest.approx(6400 * 794_880 / (2 * 1e12))  # achieved FLOP/s / the peak of 2 devices
+    assert log.speed_text(speed) == "6,400 tokens/s | mfu 0.3%"
+    assert "MFU against 1.0 TFLOPS per device (run.peak_tflops)" in log.mfu_note()
+    plain = TrainingLog(info, "/dev/null", 1, 0)
+    assert plain.speed(100.0) == {"samples_per_s": 100.0} and "no FLOPs estimate" in plain.mfu_note()

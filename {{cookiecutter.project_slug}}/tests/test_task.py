@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, torchrun, train_args
+from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config, loaders, preflight, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -38,6 +38,25 @@ def test_loss_is_a_sum_and_eval_sums_are_per_sample(pieces):
     assert {name: tuple(v.shape) for name, v in sums.items()} == {"loss": (4,), "correct": (4,)}
     results = task.metrics({"loss": 2.0, "correct": 3.0, "samples": 4.0})
     assert results == {"loss": 0.5, "accuracy": 0.75} and task.MAIN_METRIC[0] in results
+
+
+def test_the_synthetic_data_is_learnable_and_deterministic():
+    cfg = config.load(SMOKE_CONFIG, TINY)
+    (a, _), (b, _) = task.build_datasets(cfg), task.build_datasets(cfg)
+    assert torch.equal(a.inputs, b.inputs) and len(set(a.targets.tolist())) > 2
+    assert (len(a), a.inputs.shape[1]) == (2048, 16)  # test-sized defaults; default.yaml sets a real run's
+
+
+def test_a_classifier_needs_two_classes():
+    with pytest.raises(config.ConfigError, match="dataset.num_classes: 1 is invalid; use at least 2"):
+        config.load(None, ["dataset.num_classes=1"])
+
+
+@pytest.mark.slow
+def test_the_example_task_trains_to_a_real_result(tmp_path):
+    torchrun(*train_args(tmp_path, "run.name=real"), timeout=180)
+    evals = [r for r in read_metrics(tmp_path / "real") if "eval_accuracy" in r]
+    assert evals[-1]["eval_accuracy"] > 0.7 and evals[-1]["eval_samples"] == 509  # chance is 0.1
 
 
 def test_a_model_whose_output_does_not_fit_the_loss_is_named(pieces):
@@ -110,4 +129,4 @@ def test_a_seam_mistake_ends_a_two_rank_run_within_seconds_with_one_line_and_exi
     assert "preflight.py" not in result.stderr  # the workers print their line, not a traceback
     assert "exitcode  : 2" in result.stderr  # torchrun's failure summary: the worker exited 2
     if mistake == "wrong_structure":
-        assert "batch {'x': Tensor[2, 16] float32, 'y': Tensor[2] int64}" in result.stderr
+        assert "batch {'sample': [Tensor[2, 16] float32, Tensor[2] int64]}" in result.stderr

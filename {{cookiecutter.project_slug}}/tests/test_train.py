@@ -5,10 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from conftest import (
     PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
+    TINY,
     needs_cuda,
     needs_two_gpus,
     project_env,
@@ -18,6 +20,7 @@ from conftest import (
     train_args,
     train_losses,
 )
+from torch.utils.data import default_collate
 
 from {{ cookiecutter.package_name }} import checkpoint, config, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -30,36 +33,40 @@ FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 def test_two_process_run_trains_and_reports(tmp_path):
     result = torchrun(*train_args(tmp_path, "run.name=e2e"), timeout=180)
     out = result.stdout
+    smoke = config.load(SMOKE_CONFIG, TINY)
+    train_set, eval_set = task.build_datasets(smoke)
+    epoch = len(train_set) // 32  # optimizer steps in an epoch: 16 per device x 2 ranks, last partial batch dropped
+    main_metric = task.MAIN_METRIC[0]
     for line in (
         "world size 2 (2 per node), backend gloo",
         "global batch 32 = 16 per device x 2 ranks x 1",
-        "lr 0.01 (auto scaling of 0.01 tuned at batch 32)",
+        f"lr {smoke.train.lr:.3g} (auto scaling of {smoke.train.lr:g} tuned at batch 32)",
         "static memory per device",
         "loader workers per rank",
-        "eval step 64 | epoch 0 | loss ",
-        "| 509 samples",
-        "done: 128 steps in ",
-        "; eval accuracy: best ",
+        f"eval step {epoch} | epoch 0 | loss ",
+        f"| {len(eval_set)} samples",
+        f"done: {2 * epoch} steps in ",
+        f"; eval {main_metric}: best ",
     ):
         assert line in out
     assert out.count("world size") == 1  # printed by rank 0 only
     assert "note: train.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out
     losses = train_losses(tmp_path / "e2e")
-    assert losses[-1] < 0.5 * losses[0]
-    evals = [r for r in read_metrics(tmp_path / "e2e") if "eval_accuracy" in r]
-    assert len(evals) == 2 and evals[-1]["eval_accuracy"] > 0.7 and evals[-1]["eval_samples"] == 509
+    assert losses[-1] < 0.8 * losses[0]  # how far it must get is each task's own test (test_task.py)
+    evals = [r for r in read_metrics(tmp_path / "e2e") if f"eval_{main_metric}" in r]
+    assert len(evals) == 2 and evals[-1]["eval_samples"] == len(eval_set)
     assert {"samples_per_s", "data_wait_share", "lr"} <= set(read_metrics(tmp_path / "e2e")[0])
     # the checkpoint of a DDP run loads into a plain model with strict key matching
-    state = checkpoint.load_file(tmp_path / "e2e" / "checkpoints" / "step_00000128.pt")
+    state = checkpoint.load_file(tmp_path / "e2e" / "checkpoints" / f"step_{2 * epoch:08d}.pt")
     build_model(config.load(tmp_path / "e2e" / "config.yaml")).load_state_dict(state["model"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "fp32", "bf16"])
 def test_world_of_one_trains_in_each_precision(tmp_path, precision):
-    run([sys.executable, *train_args(tmp_path, f"train.precision={precision}", "train.epochs=1")], timeout=120)
+    run([sys.executable, *train_args(tmp_path, f"train.precision={precision}", "train.max_steps=128")], timeout=180)
     losses = train_losses(tmp_path / "smoke")
-    assert losses[-1] < 0.6 * losses[0]
+    assert losses[-1] < 0.8 * losses[0]
     state = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / "step_00000128.pt")
     assert (state["scaler"]["scale"] > 0) if precision == "fp16" else (state["scaler"] == {})
 
@@ -83,12 +90,14 @@ def test_non_finite_loss_stops_every_rank_with_advice(tmp_path):
 def test_compile_really_compiles_and_checkpoints_have_no_prefix(tmp_path):
     from torch._dynamo.utils import counters
 
-    cfg = config.load(None, ["train.compile=true", "dataset.num_features=8", "model.hidden=16", "train.precision=fp32"])
+    cfg = config.load(None, ["train.compile=true", "train.precision=fp32"])
     info = DistInfo.from_env()
     raw = build_model(cfg)
     model, _ = train.wrap(raw, cfg, info)
+    train_set, _ = task.build_datasets(cfg)
+    batch = default_collate([train_set[i] for i in range(4)])
     counters.clear()
-    model(torch.randn(4, 8)).sum().backward()
+    task.loss_sum(model, batch).backward()
     assert counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not silently run eager
     assert model._orig_mod is raw  # compiled module wraps the raw one, which checkpoints read
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in raw.state_dict())
@@ -138,13 +147,16 @@ def test_fp16_grad_scaler_on_cuda(tmp_path):
 def test_the_generated_default_config_trains(tmp_path):
     """configs/default.yaml holds the prompted precision, accumulation, compile and SyncBN choices."""
     default = PROJECT / "configs" / "default.yaml"
+    tree = yaml.safe_load(default.read_text())
+    del tree["dataset"], tree["model"]  # the task's test-sized defaults: a real run's size is not the point here
+    light = tmp_path / "default.yaml"
+    light.write_text(yaml.safe_dump(tree))
     result = torchrun(
         "-m",
         f"{PACKAGE}.train",
         "--config",
-        str(default),
+        str(light),
         f"run.out_dir={tmp_path}",
-        "dataset.train_samples=2048",
         "train.max_steps=12",
         "run.log_every=4",
         timeout=600,
@@ -153,7 +165,7 @@ def test_the_generated_default_config_trains(tmp_path):
     assert f"precision {cfg.train.precision}, compile {cfg.train.compile}" in result.stdout
     assert f"x {cfg.train.grad_accum_steps} accumulation steps" in result.stdout
     assert "done: 12 steps" in result.stdout
-    assert "eval accuracy: best" in result.stdout
+    assert f"eval {task.MAIN_METRIC[0]}: best" in result.stdout
 
 
 @pytest.fixture

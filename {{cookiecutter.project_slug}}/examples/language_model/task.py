@@ -4,6 +4,7 @@ padding, the loss averaged over valid tokens across every rank, perplexity for e
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,11 @@ from torch import nn
 
 from .data import IGNORE, build_datasets
 from .loaders import move_to as to_device
+from .metrics import Throughput
 from .model import build_model
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = [
     "MAIN_METRIC",
@@ -22,6 +27,7 @@ __all__ = [
     "eval_sums",
     "loss_sum",
     "metrics",
+    "throughput",
     "to_device",
 ]
 
@@ -50,3 +56,7 @@ def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 def metrics(totals: dict[str, float]) -> dict[str, float]:
     loss = totals["loss"] / totals["tokens"]
     return {"loss": loss, "perplexity": math.exp(loss)}
+
+
+def throughput(cfg: Config, model: nn.Module) -> Throughput:
+    return Throughput("tokens", cfg.dataset.context)  # window positions, padding included; no MFU

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .data import build_datasets
 from .loaders import move_to as to_device
+from .metrics import Throughput
 from .model import build_model
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = [
     "MAIN_METRIC",
@@ -20,6 +25,7 @@ __all__ = [
     "eval_sums",
     "loss_sum",
     "metrics",
+    "throughput",
     "to_device",
 ]
 
@@ -46,3 +52,7 @@ def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 def metrics(totals: dict[str, float]) -> dict[str, float]:
     mse = totals["squared_error"] / totals["values"]
     return {"mse": mse, "rmse": math.sqrt(mse)}
+
+
+def throughput(cfg: Config, model: nn.Module) -> Throughput:
+    return Throughput()  # samples; no FLOPs estimate, so no MFU

@@ -26,16 +26,10 @@ import yaml
 
 from .data import DatasetConfig
 from .model import ModelConfig
-from .rules import PositiveInt, Rule
+from .rules import ConfigError, PositiveInt, Rule
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message says how."""
-
-    prefix = "config error"
 
 
 @contextmanager
@@ -58,6 +52,7 @@ Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
 ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
 Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
 Switch = bool | Literal["auto"]
+PeakTflops = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or v > 0, "use auto or a positive number")]
 StepWindow = Annotated[
     list | None,
     Rule(
@@ -76,6 +71,7 @@ class RunConfig:
     tensorboard: Switch = "auto"  # TensorBoard event files in out_dir/name/tensorboard/; auto: on if installed
     profile_steps: StepWindow = None  # [start, stop]: trace steps start+1..stop into out_dir/name/profile/; null: off
     profile_ranks: Literal["main", "all"] = "main"  # ranks that write a profiler trace: main (rank 0) or all
+    peak_tflops: PeakTflops = "auto"  # one device's peak, for MFU; auto: known GPUs by name and precision
 
 
 @dataclass

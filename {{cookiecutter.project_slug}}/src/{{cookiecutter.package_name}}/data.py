@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class DatasetConfig:
-    train_samples: PositiveInt = 16384  # size of the synthetic training set
-    eval_samples: PositiveInt = 2000  # size of the synthetic evaluation set
-    num_features: PositiveInt = 32  # input width of the synthetic data
+    # Defaults small enough for the smoke check and the tests (509 eval samples, a prime: no
+    # world size splits them evenly); configs/default.yaml sets the sizes of a real run.
+    train_samples: PositiveInt = 2048  # size of the synthetic training set
+    eval_samples: PositiveInt = 509  # size of the synthetic evaluation set
+    num_features: PositiveInt = 16  # input width of the synthetic data
     num_classes: Annotated[int, at_least(2)] = 10  # classes of the synthetic data
 
 

@@ -14,6 +14,17 @@ import torch
 
 from .checks import FAIL, PASS, WARN
 
+# Dense peak TFLOPS of one device (no sparsity), from the vendors' data sheets; fp32 without
+# TF32, which this project leaves off. The first name fragment found in the device's name wins.
+PEAK_TFLOPS = (
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
+    ("H100 80GB HBM3", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),  # SXM2; bf16 is emulated
+)
 BF16_NATIVE = (8, 0)  # Ampere: bf16 tensor cores; below it bf16 is emulated, several times slower
 FP16_TENSOR_CORES = (7, 0)  # Volta
 
@@ -63,6 +74,19 @@ def precision_problem(precision: str, device: torch.device) -> str | None:
         f"train.precision: bf16 needs compute capability 8.0 (Ampere) or newer; GPU {gpu.index} "
         f"({gpu.name}) is {major}.{minor}, where bf16 is emulated and slow: use train.precision=fp16"
     )
+
+
+def peak_flops(device: torch.device, precision: str, configured: float | str) -> tuple[float | None, str]:
+    """One device's peak FLOP/s at `precision` for MFU, or None; and where the figure comes from."""
+    if configured != "auto":
+        return float(configured) * 1e12, "run.peak_tflops"
+    if device.type != "cuda":
+        return None, f"no peak figure for {device.type}; set run.peak_tflops to compare with one of your own"
+    name = torch.cuda.get_device_name(device)
+    peaks = next((peaks for fragment, peaks in PEAK_TFLOPS if fragment in name), {})
+    if precision not in peaks:
+        return None, f"no peak figure for {name} at {precision}; set run.peak_tflops"
+    return peaks[precision] * 1e12, f"{name} at {precision}"
 
 
 def device_identity(device: torch.device) -> tuple[str, int, int, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,6 +14,16 @@ from tqdm import tqdm
 from .dist import DistInfo, all_reduce_sum
 from .profiling import ProfileWindow, StepClock
 from .tensorboard import Board
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What one training sample is worth in the log: `per_sample` units called `unit` (tokens,
+    say), and the training FLOPs (forward + backward) per unit, or None where not estimated."""
+
+    unit: str = "samples"
+    per_sample: float = 1
+    flops_per_unit: float | None = None
 
 
 class Totals:
@@ -71,8 +82,12 @@ class TrainingLog:
         first_step: int,
         board: Board | None = None,
         profiler: ProfileWindow | None = None,
+        throughput: Throughput = Throughput(),
+        peak: tuple[float | None, str] = (None, "no peak figure given"),
     ):
         self.info = info
+        self.throughput = throughput
+        self.peak_flops, self.peak_source = peak  # one device's peak FLOP/s, and where it comes from
         self.jsonl_path = Path(jsonl_path)
         if info.is_main:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,20 +138,46 @@ class TrainingLog:
             "start_step": self.first_step,  # a resumed attempt supersedes what was logged after it
             "elapsed_s": time.perf_counter() - self.run_start,  # since this attempt began
         }
+        record |= self.speed(samples / elapsed)
         if peaks:
             record["peak_mem_gib"] = max(peaks)
         self.write(record, {f"memory/peak_gib_rank{rank}": peak for rank, peak in enumerate(peaks)})
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", speed=self.speed_text(record))
         if self.bar.disable:
             self.print(
                 f"step {step} | epoch {epoch} | loss {record['loss']:.4f} | lr {lr:.2e} | "
-                f"{record['samples_per_s']:.0f} samples/s | data wait {record['data_wait_share']:.0%} | "
+                f"{self.speed_text(record)} | data wait {record['data_wait_share']:.0%} | "
                 f"{record['step_ms']:.1f} ms/step: fwd+bwd {record['fwd_bwd_ms']:.1f}, "
                 f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"
             )
         self.reset()
         return record | {"stop": stops > 0}
+
+    def speed(self, samples_per_s: float) -> dict[str, float]:
+        """Samples/s over every rank; the task's units/s; MFU: the model's FLOPs done per second
+        as a share of the peak of every device, accumulation included (samples count them all)."""
+        speed = {"samples_per_s": samples_per_s}
+        unit, per_sample, flops = self.throughput.unit, self.throughput.per_sample, self.throughput.flops_per_unit
+        if unit != "samples":
+            speed[f"{unit}_per_s"] = samples_per_s * per_sample
+        if flops is not None and self.peak_flops is not None:
+            speed["mfu"] = samples_per_s * per_sample * flops / (self.peak_flops * self.info.world_size)
+        return speed
+
+    def mfu_note(self) -> str:
+        """For the start-up report: what MFU is measured against, or why it is not."""
+        if self.throughput.flops_per_unit is None:
+            return "MFU n/a: task.throughput gives no FLOPs estimate"
+        flops = f"{self.throughput.flops_per_unit:,.0f} training FLOPs per {self.throughput.unit.rstrip('s')}"
+        if self.peak_flops is None:
+            return f"{flops}; MFU n/a: {self.peak_source}"
+        return f"{flops}; MFU against {self.peak_flops / 1e12:,.1f} TFLOPS per device ({self.peak_source})"
+
+    def speed_text(self, record: dict) -> str:
+        unit = self.throughput.unit
+        text = f"{record[f'{unit}_per_s']:,.0f} {unit}/s"
+        return text + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
 
     def split_ms(self, elapsed: float, phases: dict[str, float]) -> dict[str, float]:
         """Milliseconds per step, mean over ranks: the step, its phases, and the rest (logging,
@@ -168,8 +209,8 @@ class TrainingLog:
         """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
         Also appended to metrics.jsonl as {"summary": {...}}."""
         wall = time.perf_counter() - self.run_start
-        line = f"done: {steps} steps in {wall:.1f} s ({self.run_samples / wall:,.0f} samples/s)"
-        summary = {"steps": steps, "wall_s": wall, "samples_per_s": self.run_samples / wall}
+        summary = {"steps": steps, "wall_s": wall, **self.speed(self.run_samples / wall)}
+        line = f"done: {steps} steps in {wall:.1f} s ({self.speed_text(summary).replace(' | ', ', ')})"
         name, goal = main_metric
         key = f"eval_{name}"
         scored = [e for e in self.evaluations if key in e]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelConfig:
-    hidden: PositiveInt = 256  # width of the hidden layers
+    hidden: PositiveInt = 64  # width of the hidden layers
     depth: PositiveInt = 2  # number of hidden blocks (Linear -> norm -> ReLU)
     norm: Literal["batch", "layer"] = "batch"  # batch: BatchNorm (SyncBN-able); layer: LayerNorm (batch-size free)
 

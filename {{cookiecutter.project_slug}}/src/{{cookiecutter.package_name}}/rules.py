@@ -4,7 +4,9 @@
     dropout: Annotated[float, Rule(lambda v: 0 <= v < 1, "use a probability in [0, 1)")] = 0.1  # ...
 
 `config.load()` checks every rule and names the key and the fix when one fails, so a new
-setting is one line in its dataclass: type, rule, default and comment together.
+setting is one line in its dataclass: type, rule, default and comment together. A check that
+spans settings raises ConfigError (model.py and data.py import it from here: config.py imports
+them).
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message says how."""
+
+    prefix = "config error"
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ they call only these:
     metrics(totals)           -> {name: value} from those sums over the whole eval set, plus
                                  totals["samples"], the number of eval samples
     MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
+    throughput(cfg, model)    -> what a sample is worth in the log: units (tokens...) and FLOPs, for MFU
 
 Why sums and counts: the loop divides the summed loss by the number of terms over every
 rank and micro-batch of the optimizer step, so the gradient is that of one process on the
@@ -27,13 +28,19 @@ Evaluation sums per sample so the loop can drop the samples DistributedSampler r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .data import build_datasets
 from .loaders import move_to as to_device
+from .metrics import Throughput
 from .model import build_model
+
+if TYPE_CHECKING:
+    from .config import Config
 
 __all__ = [
     "MAIN_METRIC",
@@ -44,6 +51,7 @@ __all__ = [
     "eval_sums",
     "loss_sum",
     "metrics",
+    "throughput",
     "to_device",
 ]
 
@@ -72,3 +80,7 @@ def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 
 def metrics(totals: dict[str, float]) -> dict[str, float]:
     return {"loss": totals["loss"] / totals["samples"], "accuracy": totals["correct"] / totals["samples"]}
+
+
+def throughput(cfg: Config, model: nn.Module) -> Throughput:
+    return Throughput()  # samples; no FLOPs estimate, so no MFU: it depends on the architecture

@@ -116,8 +116,8 @@ def run(cfg: Config, info: DistInfo) -> int:
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")
-    report_startup(cfg, info, job, resumed)
     log = training_log(job, cfg, info)
+    report_startup(cfg, info, job, log, resumed)
     outcome = fit(job, cfg, info, log, checkpoint.PreemptionFlag())
     save_checkpoint(job.state, cfg, info)
     if outcome is Outcome.PREEMPTED:
@@ -156,7 +156,8 @@ def build(cfg: Config, info: DistInfo) -> Job:
 
 
 def training_log(job: Job, cfg: Config, info: DistInfo) -> TrainingLog:
-    """metrics.jsonl and the console; TensorBoard (run.tensorboard) and a profiler window (run.profile_steps)."""
+    """metrics.jsonl and the console, with the task's throughput and MFU where a peak is known;
+    TensorBoard (run.tensorboard) and a profiler window (run.profile_steps)."""
     return TrainingLog(
         info,
         cfg.run_dir / "metrics.jsonl",
@@ -164,6 +165,8 @@ def training_log(job: Job, cfg: Config, info: DistInfo) -> TrainingLog:
         job.state.step,
         board=tensorboard.open_board(cfg.run.tensorboard, cfg.run_dir, job.state.step, info),
         profiler=profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info),
+        throughput=task.throughput(cfg, job.state.model),
+        peak=hardware.peak_flops(info.device, cfg.train.precision, cfg.run.peak_tflops),
     )
 
 
@@ -330,7 +333,7 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
     return results | {"eval_samples": int(reduced["samples"])}
 
 
-def report_startup(cfg: Config, info: DistInfo, job: Job, resumed) -> None:
+def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
     params = sum(p.numel() for p in job.state.model.parameters())
     # params + grads + AdamW's two moments, in fp32; AMP adds low-precision weight copies,
     # budgeted at 4 bytes per parameter. DDP replicates all of it on every device.
@@ -345,7 +348,7 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, resumed) -> None:
         f"{cfg.train.reference_batch_size}), warmup {job.warmup:.1%} of {job.total_steps} steps\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, loader workers per rank {job.workers}\n"
         f"parameters {params:,}; static memory per device ~{params * per_param / 2**20:.1f} MiB\n"
-        + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
+        f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
 
 

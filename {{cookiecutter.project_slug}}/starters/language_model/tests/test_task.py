@@ -1,0 +1,167 @@
+"""The language model's task: windows, the model, prepare, sample, FLOPs; and a real training run."""
+
+import email
+import math
+import pickle
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
+
+from {{ cookiecutter.package_name }} import config, data, loaders, preflight, prepare, sample, task
+from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.model import training_flops_per_token
+
+CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+
+
+def small_config(*overrides):
+    return config.load(SMOKE_CONFIG, [*TINY, *overrides])
+
+
+def test_samples_are_consecutive_windows_with_targets_shifted_by_one():
+    cfg = small_config()
+    train_set, eval_set = task.build_datasets(cfg)
+    context = cfg.model.context
+    (x0, y0), (x1, _) = train_set[0], train_set[1]
+    assert x0.shape == y0.shape == (context,) and x0.dtype == torch.int64
+    assert torch.equal(x0[1:], y0[:-1]) and torch.equal(x1[0:1], y0[-1:])  # window 1 starts where 0 ended
+    corpus = data.built_in_corpus()
+    assert bytes(x0.tolist()) == corpus[:context]
+    assert len(train_set) + len(eval_set) in range(len(corpus) // context - 2, len(corpus) // context + 1)
+
+
+def test_the_seam_sums_the_loss_over_tokens_and_passes_its_preflight():
+    cfg = small_config()
+    model = task.build_model(cfg)
+    train_set, eval_set = task.build_datasets(cfg)
+    train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
+    preflight.check_task(model, (train_set, train_loader), (eval_set, eval_loader))
+    batch = loaders.first_samples(train_set, train_loader, 3)
+    logits = model(batch[0])
+    mean = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+    assert task.count_terms(batch) == 3 * cfg.model.context
+    assert torch.allclose(task.loss_sum(model, batch), mean * 3 * cfg.model.context)
+    assert math.isclose(mean.item(), math.log(256), rel_tol=0.05)  # GPT-2 init: a near-uniform first guess
+    sums = task.eval_sums(model, batch)
+    assert sums["tokens"].tolist() == [cfg.model.context] * 3
+    results = task.metrics({"loss": 6.0, "tokens": 3.0, "samples": 1.0})
+    assert results == {"loss": 2.0, "perplexity": math.exp(2.0)}
+
+
+def test_the_model_ties_its_head_and_is_causal():
+    cfg = small_config("model.dropout=0")
+    model = task.build_model(cfg).eval()
+    assert model.head.weight is model.tokens.weight
+    tokens = torch.randint(0, 256, (1, cfg.model.context))
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % 256
+    with torch.no_grad():  # the last token cannot change what comes before it
+        assert torch.equal(model(tokens)[0, :-1], model(changed)[0, :-1])
+
+
+def test_a_width_that_heads_do_not_divide_is_a_config_error():
+    with pytest.raises(config.ConfigError, match="model.width: 64 is not a multiple of model.heads"):
+        task.build_model(small_config("model.heads=3"))
+
+
+def test_training_flops_per_token_match_a_hand_count():
+    model = task.build_model(small_config())  # 2 layers, width 64, context 64, 256 byte tokens
+    tokens = 256 * 64  # the tied matrix, counted once (it multiplies as the output head)
+    block = 2 * 2 * 64 + 64 * 192 + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)  # norms, qkv, out, MLP
+    weights = tokens + 2 * block + 2 * 64  # + the final norm; the position table is looked up, not multiplied
+    attention = 2 * 2 * 2 * 64 * 64  # per token, per layer: scores q.k and the weighted sum of v, 2 FLOPs each
+    assert training_flops_per_token(model) == 3 * (2 * weights + attention) == 794_880
+    assert task.throughput(small_config(), model).per_sample == 64
+
+
+def test_prepare_writes_memmapped_tokens_that_train_like_the_built_in_corpus(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("hello, world\n" * 500)
+    meta = prepare.prepare([text], tmp_path / "tokens", eval_share=0.2)
+    assert meta["dtype"] == "uint16" and meta["vocabulary_size"] == 256 and meta["tokenizer"] == "bytes"
+    assert meta["tokens"] == {"train": 5200, "eval": 1300}
+    cfg = small_config(f"dataset.dir={tmp_path / 'tokens'}")
+    train_set, eval_set = task.build_datasets(cfg)
+    assert bytes(train_set[0][0].tolist()) == text.read_bytes()[: cfg.model.context]
+    assert len(train_set) == (5200 - 1) // cfg.model.context
+    assert pickle.loads(pickle.dumps(train_set)).tokens.mapped is None  # a worker maps the file itself
+    assert task.build_model(cfg).tokens.num_embeddings == 256
+
+
+def test_another_tokenizer_plugs_in_by_name(tmp_path, monkeypatch):
+    (tmp_path / "wordtokens.py").write_text(
+        "class Words:\n"
+        "    n_vocab = 70000\n"
+        "    def encode(self, text):\n"
+        "        return [69999 if w == 'b' else len(w) for w in text.split()]\n"
+        "    def decode(self, ids):\n"
+        "        return ' '.join('b' if i == 69999 else 'a' * i for i in ids)\n"
+        "words = Words()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = tmp_path / "text.txt"
+    text.write_text("a bb b " * 400)
+    meta = prepare.prepare([text], tmp_path / "tokens", 0.25, "wordtokens:words")
+    assert meta["dtype"] == "uint32" and meta["vocabulary_size"] == 70000  # beyond uint16
+    tokens = np.fromfile(tmp_path / "tokens" / "train.bin", dtype=np.uint32)
+    assert tokens[:3].tolist() == [1, 2, 69999]
+    cfg = small_config(f"dataset.dir={tmp_path / 'tokens'}")
+    assert task.build_model(cfg).tokens.num_embeddings == 70000
+
+
+def test_a_missing_token_directory_names_the_prepare_command(tmp_path):
+    cfg = small_config(f"dataset.dir={tmp_path}")
+    with pytest.raises(config.ConfigError, match=f"dataset.dir: {tmp_path} has no meta.json; write it with"):
+        task.build_datasets(cfg)
+
+
+def test_generate_returns_the_tokens_asked_for_and_greedy_is_repeatable():
+    model = task.build_model(small_config())
+    first = sample.generate(model, [100, 101], tokens=70, temperature=0, top_k=None)
+    assert len(first) == 70 and first == sample.generate(model, [100, 101], 70, 0, None)  # beyond the context
+    drawn = sample.generate(model, [100], 5, 1.0, 3, torch.Generator().manual_seed(0))
+    assert len(drawn) == 5 and all(0 <= t < 256 for t in drawn)
+
+
+def unigram_entropy(path) -> float:
+    """Nats per byte of a file under its own byte frequencies: what a model that ignores context gets."""
+    counts = Counter(path.read_bytes())
+    total = sum(counts.values())
+    return -sum(n / total * math.log(n / total) for n in counts.values())
+
+
+@pytest.mark.slow
+def test_prepare_train_and_sample_on_real_text(tmp_path):
+    """Python's own email package sources (on every machine, not written for this test): a
+    small model must beat the text's unigram entropy clearly, and sample from its checkpoint."""
+    sources = sorted(Path(email.__file__).parent.glob("*.py"))
+    corpus = tmp_path / "email.py.txt"
+    corpus.write_bytes(b"".join(path.read_bytes() for path in sources))
+    env = project_env()
+    prepared = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.prepare", str(corpus), "--out", str(tmp_path / "tokens")],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "train with dataset.dir=" in prepared.stdout
+    overrides = [f"dataset.dir={tmp_path / 'tokens'}", "train.max_steps=240", "train.precision=fp32", "run.name=lm"]
+    torchrun(*train_args(tmp_path, *overrides), timeout=300)
+    final = [r for r in read_metrics(tmp_path / "lm") if "eval_loss" in r][-1]
+    assert final["eval_loss"] < unigram_entropy(corpus) - 0.4, final
+    record = next(r for r in read_metrics(tmp_path / "lm") if "tokens_per_s" in r)
+    assert record["tokens_per_s"] == pytest.approx(record["samples_per_s"] * 64)
+    assert "mfu" not in record  # no peak figure on a CPU: n/a, never a made-up one
+
+    run_dir = str(tmp_path / "lm")
+    printed = subprocess.run(
+        [sys.executable, "-m", f"{PACKAGE}.sample", run_dir, "--prompt", "def ", "--tokens", "80", "--seed", "1"],
+        cwd=PROJECT, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert printed.stdout.startswith("def ") and len(printed.stdout.encode()) > 80  # a broken byte prints as 3
+    model, tokenizer = sample.load(tmp_path / "lm", torch.device("cpu"))
+    assert len(sample.generate(model, tokenizer.encode("def "), 80, 0.8, 40)) == 80
