@@ -165,6 +165,12 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
         "  scripts/smoke.sh      # checks DDP on this machine's GPUs (2 CPU processes without GPUs)",
         "  scripts/train.sh      # trains on every local GPU",
     ]
+    if answers["task"] == "language_model":
+        package = answers["package_name"]
+        lines += [
+            f"  python -m {package}.prepare TEXT_FILES --out data/mine && scripts/train.sh dataset.dir=data/mine",
+            f"  python -m {package}.sample runs/default --prompt 'def ' --tokens 200",
+        ]
     return "\n".join(lines)
 
 

@@ -133,6 +133,21 @@ def test_summary_states_the_global_batch_and_next_steps():
     settings, notes = post.resolve(answers(gpus_per_node="4", num_nodes="2", grad_accum_steps="2"))
     text = post.summary(answers(), settings, notes)
     assert "32 x 8 x 2 = 512" in text and "scripts/smoke.sh" in text and "SyncBatchNorm on" in text
+    assert ".prepare" not in text
+    language_model = answers(task="language_model")
+    text = post.summary(language_model, *post.resolve(language_model))
+    assert "python -m ddp_trainer.prepare TEXT_FILES --out data/mine" in text and "ddp_trainer.sample" in text
+
+
+def test_a_starter_replaces_and_adds_files_and_no_starter_folder_is_left(tmp_path):
+    starter = tmp_path / "starters" / "language_model"
+    (starter / "src" / "pkg").mkdir(parents=True)
+    (starter / "src" / "pkg" / "model.py").write_text("gpt")
+    (starter / "src" / "pkg" / "sample.py").write_text("sample")
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "model.py").write_text("mlp")
+    assert post.place_starter(tmp_path, "language_model") == ["src/pkg/model.py", "src/pkg/sample.py"]
+    assert (tmp_path / "src" / "pkg" / "model.py").read_text() == "gpt" and not (tmp_path / "starters").exists()
 
 
 def test_answers_record_is_a_replay_file_without_private_keys():
