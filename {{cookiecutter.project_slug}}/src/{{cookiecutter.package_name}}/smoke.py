@@ -137,7 +137,8 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
         job.model.register_comm_hook(counter, counting_allreduce_hook)
     results["gradients all-reduced"] = check_gradients_reduced(job, cfg, info)
     start = time.perf_counter()
-    train.fit(job, cfg, info, train.training_log(job, cfg, info), checkpoint.PreemptionFlag(signals=()))
+    log = train.training_log(job, cfg, info)
+    train.fit(job, cfg, info, log, checkpoint.PreemptionFlag(signals=()))
     elapsed = time.perf_counter() - start
 
     digests = dist.all_gather_objects(parameter_digest(job.state.model))
@@ -153,7 +154,7 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     results["checkpoint round trip"] = _checkpoint_round_trip(job, cfg, info)
     results["eval counts every sample once"] = _eval_count(job, cfg, info)
     samples = job.state.step * job.global_batch
-    results["throughput"] = (INFO, f"{samples / elapsed:,.0f} samples/s over {job.state.step} steps")
+    results["throughput"] = (INFO, f"{log.speed_text(log.speed(samples / elapsed))} over {job.state.step} steps")
     results["peak memory per device"] = (INFO, _peak_memory(info))
     # checks gather what they need from every rank; rank 0's verdicts decide everyone's exit code
     return dist.broadcast_object([(verdict, name, detail) for name, (verdict, detail) in results.items()])
