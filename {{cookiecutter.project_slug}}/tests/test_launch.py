@@ -101,6 +101,8 @@ def test_a_static_rendezvous_gets_the_default_port_unless_one_is_given():
     assert f"--master-port={launch.DEFAULT_MASTER_PORT}" in command
     command, _ = launch.prepare(["--master-addr=10.0.0.1", "--master-port=4000", "-m", "x"], {}, gpus=0, affinity=4)
     assert not any(arg.startswith("--master-port=") and arg != "--master-port=4000" for arg in command)
+    command, _ = launch.prepare(["--master_addr=10.0.0.1", "--master_port=4000", "-m", "x"], {}, gpus=0, affinity=4)
+    assert f"--master-port={launch.DEFAULT_MASTER_PORT}" not in command  # torchrun's underscore spelling too
     command, _ = launch.prepare(["--standalone", "-m", "x"], {}, gpus=0, affinity=4)
     assert not any(arg.startswith("--master-port") for arg in command)
 

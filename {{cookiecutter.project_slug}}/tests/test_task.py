@@ -88,7 +88,7 @@ def test_a_main_metric_that_metrics_does_not_return_is_named(pieces, monkeypatch
 
 def test_a_declared_terms_per_sample_that_count_terms_contradicts_is_named(pieces, monkeypatch):
     monkeypatch.setattr(task, "TERMS_PER_SAMPLE", 3)
-    with pytest.raises(TaskError, match="returned 2 for 2 samples, but task.TERMS_PER_SAMPLE is 3"):
+    with pytest.raises(TaskError, match="count_terms gave 2 terms for 2 samples, but task.TERMS_PER_SAMPLE is 3"):
         preflight.check_task(*pieces)
 
 

@@ -163,8 +163,8 @@ def report_preemption(exit_code: int) -> int:
 
 def forget_earlier_preemption() -> None:
     """A new attempt has started (torchrun restarted the workers after a failure or a rejoin,
-    when its SIGTERM may have made the old ones checkpoint and report a preemption): only this
-    attempt's outcome decides whether the node launcher exits 75."""
+    perhaps after some of the old ones had checkpointed on a stop request and reported it):
+    only this attempt's outcome decides whether the node launcher exits 75."""
     marker = os.environ.get(launch.MARKER_ENV)
     if marker:
         Path(marker).unlink(missing_ok=True)

@@ -105,8 +105,8 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
     """(torchrun command line, its environment) for this node."""
     planned = positive_int(environ.get("PLANNED_GPUS_PER_NODE"))
     processes, note = processes_per_node(environ.get("NPROC_PER_NODE"), gpus, planned)
-    static = any(arg.startswith("--master-addr") for arg in args)
-    if static and not any(arg.startswith("--master-port") for arg in args):
+    static = any(arg.startswith(("--master-addr", "--master_addr")) for arg in args)
+    if static and not any(arg.startswith(("--master-port", "--master_port")) for arg in args):
         args = [f"--master-port={DEFAULT_MASTER_PORT}", *args]
     env = dict(environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_process(job_cpus(environ, affinity), processes)))

@@ -174,10 +174,10 @@ class TrainingLog:
             return f"{flops}; MFU n/a: {self.peak_source}"
         return f"{flops}; MFU against {self.peak_flops / 1e12:,.1f} TFLOPS per device ({self.peak_source})"
 
-    def speed_text(self, record: dict) -> str:
+    def speed_text(self, record: dict, separator: str = " | ") -> str:
         unit = self.throughput.unit
         text = f"{record[f'{unit}_per_s']:,.0f} {unit}/s"
-        return text + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
+        return text + (f"{separator}mfu {record['mfu']:.1%}" if "mfu" in record else "")
 
     def split_ms(self, elapsed: float, phases: dict[str, float]) -> dict[str, float]:
         """Milliseconds per step, mean over ranks: the step, its phases, and the rest (logging,
@@ -210,7 +210,7 @@ class TrainingLog:
         Also appended to metrics.jsonl as {"summary": {...}}."""
         wall = time.perf_counter() - self.run_start
         summary = {"steps": steps, "wall_s": wall, **self.speed(self.run_samples / wall)}
-        line = f"done: {steps} steps in {wall:.1f} s ({self.speed_text(summary).replace(' | ', ', ')})"
+        line = f"done: {steps} steps in {wall:.1f} s ({self.speed_text(summary, ', ')})"
         name, goal = main_metric
         key = f"eval_{name}"
         scored = [e for e in self.evaluations if key in e]

@@ -82,12 +82,17 @@ def _check_loss(model: nn.Module, batch) -> None:
         raise TaskError(f"task.count_terms(batch) raised {_error(err)}; batch {describe(batch)}") from err
     if not terms >= 0 or not math.isfinite(terms):
         raise TaskError(f"task.count_terms(batch) returned {terms}; expected a number of loss terms >= 0")
-    declared = task.TERMS_PER_SAMPLE
-    if declared is not None and terms != declared * num_samples(batch):
+    if task.TERMS_PER_SAMPLE is not None:
+        check_declared_terms(terms, num_samples(batch))
+
+
+def check_declared_terms(terms: float, samples: int) -> None:
+    """The loop trusts task.TERMS_PER_SAMPLE to count every rank's terms without a collective."""
+    if terms != task.TERMS_PER_SAMPLE * samples:
         raise TaskError(
-            f"task.count_terms(batch) returned {terms:g} for {num_samples(batch)} samples, but "
-            f"task.TERMS_PER_SAMPLE is {declared!r}: set it to the terms each sample holds, or to None "
-            "when the count varies (padding, masks)"
+            f"task.count_terms gave {terms:g} terms for {samples} samples, but task.TERMS_PER_SAMPLE is "
+            f"{task.TERMS_PER_SAMPLE!r}: set it to the terms each sample holds, or to None when the count "
+            "varies (padding, masks)"
         )
 
 

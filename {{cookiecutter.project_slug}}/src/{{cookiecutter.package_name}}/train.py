@@ -28,7 +28,7 @@ from .checkpoint import TrainState
 from .config import Config, ConfigError
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
-from .preflight import TaskError, check_task
+from .preflight import check_declared_terms, check_task
 from .profiling import profile_window
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -275,12 +275,7 @@ def step_terms(local_terms: float, micro_batches: list, info: DistInfo) -> float
     """
     if task.TERMS_PER_SAMPLE is None:
         return all_reduced_terms(local_terms, info)
-    samples = sum(loaders.num_samples(batch) for batch in micro_batches)
-    if local_terms != task.TERMS_PER_SAMPLE * samples:
-        raise TaskError(
-            f"task.count_terms gave {local_terms:g} terms for {samples} samples, but task.TERMS_PER_SAMPLE "
-            f"is {task.TERMS_PER_SAMPLE}: set TERMS_PER_SAMPLE = None when the count varies (padding, masks)"
-        )
+    check_declared_terms(local_terms, sum(loaders.num_samples(batch) for batch in micro_batches))
     return local_terms * info.world_size
 
 
