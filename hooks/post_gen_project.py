@@ -25,12 +25,12 @@ from pathlib import Path
 # Rendered by cookiecutter; the module stays valid Python so tests can import its functions.
 ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
 
-# (answer, value that drops the files, files relative to the project root)
+# (answer, values that drop the files, files relative to the project root)
 OPTIONAL_FILES = [
-    ("slurm", False, ["scripts/train.sbatch", "tests/test_sbatch.py"]),
-    ("license", "none", ["LICENSE"]),
-    # the worked swaps replace the classifier's seam files; a language model has its own
-    ("task", "language_model", ["examples", "tests/test_swaps.py"]),
+    ("slurm", (False,), ["scripts/train.sbatch", "tests/test_sbatch.py"]),
+    ("license", ("none",), ["LICENSE"]),
+    # the worked swaps replace the classifier's seam files; the other starters have their own
+    ("task", ("image_classification", "language_model"), ["examples", "tests/test_swaps.py"]),
 ]
 STARTERS = "starters"  # starters/<task>/...: the files a task replaces or adds
 # cookiecutter's replay format (`cookiecutter --replay-file`), plus the template commit for `cruft link`
@@ -105,8 +105,8 @@ def place_starter(project: Path, task: str) -> list[str]:
 
 def remove_unchosen(project: Path, answers: dict) -> list[str]:
     removed = []
-    for answer, dropping_value, files in OPTIONAL_FILES:
-        if answers[answer] == dropping_value:
+    for answer, dropping_values, files in OPTIONAL_FILES:
+        if answers[answer] in dropping_values:
             for name in files:
                 path = project / name
                 if path.is_dir():
@@ -165,8 +165,13 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
         "  scripts/smoke.sh      # checks DDP on this machine's GPUs (2 CPU processes without GPUs)",
         "  scripts/train.sh      # trains on every local GPU",
     ]
+    package = answers["package_name"]
+    if answers["task"] == "image_classification":
+        lines += [
+            "  scripts/train.sh dataset.root=/data/imagenet   # your ImageFolder tree: train/<class>/*, val/<class>/*",
+            f"  python -m {package}.shapes data/shapes          # a sample tree to look at (trained on by default)",
+        ]
     if answers["task"] == "language_model":
-        package = answers["package_name"]
         lines += [
             f"  python -m {package}.prepare TEXT_FILES --out data/mine && scripts/train.sh dataset.dir=data/mine",
             f"  python -m {package}.sample runs/default --prompt 'def ' --tokens 200",

@@ -80,7 +80,7 @@ PACKAGE_FILES = {
 }
 SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
 CLASSIFIER_ONLY = {f for f in COMMON_FILES if f.startswith("examples/")} | {"tests/test_swaps.py"}
-LANGUAGE_MODEL_PACKAGE_FILES = {"prepare.py", "sample.py"}
+STARTER_PACKAGE_FILES = {"image_classification": {"shapes.py"}, "language_model": {"prepare.py", "sample.py"}}
 
 SUPPORTED = [
     {},
@@ -93,6 +93,9 @@ SUPPORTED = [
     {"task": "language_model"},
     {"task": "language_model", "precision": "fp32", "gpus_per_node": "1", "slurm": False, "compile": True},
     {"task": "language_model", "precision": "fp16", "grad_accum_steps": "8", "license": "none"},
+    {"task": "image_classification"},
+    {"task": "image_classification", "precision": "fp16", "grad_accum_steps": "2", "compile": True, "slurm": False},
+    {"task": "image_classification", "precision": "fp32", "gpus_per_node": "1", "license": "BSD-3-Clause"},
 ]
 
 
@@ -102,8 +105,9 @@ def files_of(project):
 
 def expected_files(answers, package):
     files = COMMON_FILES | {f"src/{package}/{name}" for name in PACKAGE_FILES}
-    if answers.get("task") == "language_model":
-        files = (files - CLASSIFIER_ONLY) | {f"src/{package}/{name}" for name in LANGUAGE_MODEL_PACKAGE_FILES}
+    task = answers.get("task", "classifier")
+    if task != "classifier":
+        files = (files - CLASSIFIER_ONLY) | {f"src/{package}/{name}" for name in STARTER_PACKAGE_FILES[task]}
     if answers.get("slurm", True):
         files |= SLURM_FILES
     if answers.get("license", "MIT") != "none":
@@ -126,7 +130,7 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     assert config["train"]["grad_accum_steps"] == int(answers.get("grad_accum_steps", "1"))
     assert config["data"]["batch_size"] == int(answers.get("per_device_batch_size", "32"))
     total_gpus = int(answers.get("gpus_per_node", "8")) * int(answers.get("num_nodes", "1"))
-    batch_norm = answers.get("task", "classifier") == "classifier"  # the language model has none
+    batch_norm = answers.get("task", "classifier") != "language_model"  # the language model has none
     assert config["train"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm)
     assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
     for script in (project / "scripts").glob("*.sh"):

@@ -127,6 +127,11 @@ def test_remove_unchosen_uses_the_table(tmp_path):
     removed = post.remove_unchosen(tmp_path, answers(slurm=False, license="none"))
     assert sorted(removed) == ["LICENSE", "scripts/train.sbatch", "tests/test_sbatch.py"]
     assert (tmp_path / "keep.txt").exists()
+    (tmp_path / "examples" / "regression").mkdir(parents=True)
+    for task in ("image_classification", "language_model"):  # the swaps of the classifier's seam
+        (tmp_path / "examples" / "regression").mkdir(parents=True, exist_ok=True)
+        assert post.remove_unchosen(tmp_path, answers(task=task))[-2:] == ["examples", "tests/test_swaps.py"]
+        assert not (tmp_path / "examples").exists()
 
 
 def test_summary_states_the_global_batch_and_next_steps():
@@ -137,6 +142,10 @@ def test_summary_states_the_global_batch_and_next_steps():
     language_model = answers(task="language_model")
     text = post.summary(language_model, *post.resolve(language_model))
     assert "python -m ddp_trainer.prepare TEXT_FILES --out data/mine" in text and "ddp_trainer.sample" in text
+    images = answers(task="image_classification")
+    text = post.summary(images, *post.resolve(images))
+    assert "dataset.root=/data/imagenet" in text and "python -m ddp_trainer.shapes data/shapes" in text
+    assert "SyncBatchNorm on" in text and ".prepare" not in text  # torchvision's ResNets have BatchNorm
 
 
 def test_a_starter_replaces_and_adds_files_and_no_starter_folder_is_left(tmp_path):

@@ -12,10 +12,11 @@ from conftest import PROJECT, SMOKE_CONFIG, TINY, run, torchrun
 from {{ cookiecutter.package_name }} import config, task
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-# The usual cause when a model of yours breaks these two proofs and not the weighting one
+# What makes the loop's gradient differ from one process's on the same samples and weights
 DRIFT = (
-    "parameters drifted apart over the steps: a bias right before BatchNorm (or a key bias in attention) "
-    "has a zero true gradient, and Adam turns its rounding noise into lr-sized updates; use bias=False there"
+    "the all-reduced gradient differs from one process's on the union of the batches: check that "
+    "task.loss_sum returns a SUM (not a mean) and count_terms counts its terms; randomness in the forward "
+    "pass (dropout) draws other masks on each side: run the proofs with it off"
 )
 
 
@@ -29,13 +30,13 @@ def proofs(tmp_path_factory):
 def test_ddp_on_two_ranks_equals_one_process_on_the_global_batch(proofs):
     result = proofs["equivalence"]
     assert result["steps"] == 12
-    assert result["max_difference"] < 1e-6, DRIFT
+    assert result["gradient_error"] < 1e-5, DRIFT  # float32 rounding: ranks add in another order
 
 
 def test_accumulation_with_no_sync_equals_one_big_batch(proofs):
     result = proofs["accumulation"]
     assert result["steps"] == 6
-    assert result["max_difference"] < 1e-6, DRIFT
+    assert result["gradient_error"] < 1e-5, DRIFT
 
 
 def test_accumulation_communicates_only_on_the_last_micro_batch(proofs):
@@ -43,7 +44,9 @@ def test_accumulation_communicates_only_on_the_last_micro_batch(proofs):
     assert result["micro_batches"] == 24
     per_sync = result["buckets_per_sync"]
     assert len(per_sync) == result["steps"] == 6  # one all-reducing backward per optimizer step
-    assert len(set(per_sync)) == 1 and per_sync[0] >= 1  # every bucket, once, in each of them
+    # every bucket once in each; DDP rebuilds its buckets after the first step in the order the
+    # gradients became ready, which can change their number once
+    assert min(per_sync) >= 1 and len(set(per_sync[1:])) == 1
 
 
 def test_unequal_loss_terms_are_weighted_by_the_global_count(proofs):

@@ -21,8 +21,8 @@ from {{ cookiecutter.package_name }}.task import build_model
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
-# 128 steps: two epochs of the example classifier, past the first epoch of the language model
-STRAIGHT = (*EVERY_20, "train.max_steps=128")
+# 128 steps, over epoch boundaries for every starter (64, 40 or more steps an epoch at the test sizes)
+STRAIGHT = (*EVERY_20, "train.epochs=4", "train.max_steps=128")
 
 
 def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
@@ -64,10 +64,10 @@ def straight_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, straight_run):
-    crashed = faulty_run(tmp_path, "train.max_steps=128", FAULT="crash", FAULT_RANK="1", FAULT_STEP="45")
-    assert crashed.returncode != 0 and "injected crash in step 45" in crashed.stderr
+    crashed = faulty_run(tmp_path, *STRAIGHT[2:], FAULT="crash", FAULT_RANK="1", FAULT_STEP="35")
+    assert crashed.returncode != 0 and "injected crash in step 35" in crashed.stderr
     resumed = torchrun(*train_args(tmp_path, *STRAIGHT), timeout=180)
-    assert "resumed from" in resumed.stdout and "step_00000040.pt at step 40" in resumed.stdout  # mid-epoch 0
+    assert "resumed from" in resumed.stdout and "step_00000020.pt at step 20" in resumed.stdout  # mid-epoch 0
     result = final_state(tmp_path / "smoke")
     for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
         assert_bit_identical(result[part], straight_run[part], part)

@@ -76,9 +76,8 @@ def test_a_swap_of_the_seam_files_trains_passes_smoke_and_keeps_the_proofs(tmp_p
     proofs.mkdir()
     torchrun(project, env, "tests/dist_proofs.py", str(proofs))
     result = json.loads((proofs / "proofs-2.json").read_text())
-    # parameters after 12 AdamW steps agree to fp32 rounding (embeddings of norm ~1 drift by ~1e-6)
-    for proof, tolerance in (("equivalence", 1e-5), ("accumulation", 1e-5), ("weighting", 1e-6)):
-        assert result[proof]["max_difference"] < tolerance, (proof, result[proof])
+    assert result["equivalence"]["gradient_error"] < 1e-5 and result["accumulation"]["gradient_error"] < 1e-5
+    assert result["weighting"]["max_difference"] < 1e-6, result["weighting"]
 
 
 @pytest.mark.slow

@@ -176,6 +176,8 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> 
     outcome = None
     while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
         sampler.set_epoch(state.epoch)  # a new order every epoch
+        if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
+            job.train_loader.dataset.set_epoch(state.epoch)
         sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
         outcome = train_one_epoch(job, cfg, info, log, preemption)
         if outcome is not Outcome.PREEMPTED:

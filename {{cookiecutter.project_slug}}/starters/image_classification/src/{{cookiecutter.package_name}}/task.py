@@ -1,0 +1,76 @@
+"""The task seam of the image classifier: cross-entropy on (images, labels), top-1 and top-5.
+
+The loop, the smoke check and the diagnostics call only what `__all__` names (the README's
+"The task seam" says what each returns). The loss is a sum over images: the loop divides it
+by the images of every rank and micro-batch of the step. Evaluation returns per-image sums,
+so the loop can drop the images DistributedSampler repeats and the accuracies are exact
+whatever the world size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data import build_datasets, class_names
+from .metrics import Throughput
+from .model import build_model, image_layout, training_flops_per_image
+
+if TYPE_CHECKING:
+    from .config import Config
+
+__all__ = [
+    "MAIN_METRIC",
+    "TERMS_PER_SAMPLE",
+    "build_datasets",
+    "build_model",
+    "count_terms",
+    "eval_sums",
+    "loss_sum",
+    "metrics",
+    "throughput",
+    "to_device",
+]
+
+MAIN_METRIC = ("top1", "max")
+TERMS_PER_SAMPLE = 1  # one label per image
+TOP_K = 5
+
+
+def to_device(batch, device: torch.device):
+    images, labels = batch
+    images = images.to(device, non_blocking=True, memory_format=image_layout(device))
+    return images, labels.to(device, non_blocking=True)
+
+
+def count_terms(batch) -> int:
+    _, labels = batch
+    return len(labels)
+
+
+def loss_sum(model: nn.Module, batch) -> torch.Tensor:
+    images, labels = batch
+    return F.cross_entropy(model(images), labels, reduction="sum")
+
+
+def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    images, labels = batch
+    logits = model(images).float()
+    ranked = logits.topk(min(TOP_K, logits.shape[1]), dim=1).indices
+    hits = ranked == labels[:, None]
+    return {
+        "loss": F.cross_entropy(logits, labels, reduction="none"),
+        "top1": hits[:, 0].float(),
+        "top5": hits.any(dim=1).float(),
+    }
+
+
+def metrics(totals: dict[str, float]) -> dict[str, float]:
+    return {name: totals[name] / totals["samples"] for name in ("loss", "top1", "top5")}
+
+
+def throughput(cfg: Config, model: nn.Module) -> Throughput:
+    return Throughput("images", 1, training_flops_per_image(cfg, len(class_names(cfg))))
