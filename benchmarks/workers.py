@@ -1,12 +1,13 @@
-"""Per-rank loader-worker sizing against a naive fixed worker count.
+"""Per-rank loader-worker sizing on the image starter's real decode pipeline.
 
-    python benchmarks/workers.py [--pairs 3] [--naive 8]
+    python benchmarks/workers.py [--pairs 3] [--naive 8] [--image-size 224]
 
-A dataset whose samples each cost CPU work (as decoding and augmenting images do) is read by
-2 ranks launched with torchrun; each rank also runs a small training step per batch. Run A
-uses the generated project's sizing (`workers_per_rank`: the rank's share of the CPUs minus
-itself, capped), run B a fixed `--naive` workers per rank, interleaved A B A B. Prints the
-samples/s of each and the ratio.
+Bakes a `task=image_classification` project; 2 ranks launched with torchrun read its training
+set (the drawn sample tree: JPEG files decoded by PIL, random-resized-cropped to
+`--image-size`, flipped, normalised) through DDP, each running a small training step per batch.
+Compares the generated project's sizing (`workers_per_rank`: the rank's share of the CPUs minus
+itself, capped) with 0 workers, 1 worker and a fixed `--naive` count per rank, interleaved
+(every setting once per pair). Prints the images/s of each and the ratios.
 """
 
 from __future__ import annotations
@@ -20,55 +21,42 @@ import tempfile
 import time
 from pathlib import Path
 
-from overhead import bake, torchrun
+from overhead import TEMPLATE, torchrun
 
 
-class CostlySamples:
-    """Samples that take CPU work to produce, like decoded and augmented images."""
-
-    def __init__(self, size: int, work: int):
-        self.size, self.work = size, work
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int):
-        import torch
-
-        generator = torch.Generator().manual_seed(index)
-        image = torch.rand(3, 48, 48, generator=generator)
-        for _ in range(self.work):
-            image = torch.nn.functional.avg_pool2d(image, 3, stride=1, padding=1) * 1.01
-        return image.flatten()[:256], index % 10
-
-
-def worker_main(num_workers: int, batches: int, out: str) -> None:
-    """Runs inside torchrun: read `batches` batches through DDP and report samples/s."""
+def worker_main(num_workers: int, batches: int, image_size: int, out: str) -> None:
+    """Runs inside torchrun: read `batches` batches through DDP and report images/s."""
     import torch
     import torch.distributed as dist
+    from ddp_trainer import config, data
     from torch.utils.data import DataLoader, DistributedSampler
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    dataset = CostlySamples(size=64 * batches * dist.get_world_size(), work=8)
+    train_set, _ = data.build_datasets(config.load(None, [f"dataset.image_size={image_size}"]))
     loader = DataLoader(
-        dataset,
+        train_set,
         batch_size=32,
-        sampler=DistributedSampler(dataset, drop_last=True),
+        sampler=DistributedSampler(train_set, drop_last=True),
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
         drop_last=True,
     )
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 10))
+    head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, 5))
+    model = torch.nn.parallel.DistributedDataParallel(head)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    start, seen = None, torch.zeros(1)
-    for step, (inputs, targets) in enumerate(loader):
-        if step == 2:  # workers started and warm
-            start, seen = time.perf_counter(), torch.zeros(1)
-        torch.nn.functional.cross_entropy(model(inputs), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seen += len(targets)
+    start, seen, step = None, torch.zeros(1), 0
+    while step < batches:
+        for images, targets in loader:
+            if step == 2:  # workers started and warm
+                start, seen = time.perf_counter(), torch.zeros(1)
+            torch.nn.functional.cross_entropy(model(images), targets).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            seen += len(targets)
+            step += 1
+            if step == batches:
+                break
     dist.all_reduce(seen)
     if dist.get_rank() == 0:
         Path(out).write_text(str(seen.item() / (time.perf_counter() - start)))
@@ -76,14 +64,16 @@ def worker_main(num_workers: int, batches: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run(project: Path, num_workers: int, batches: int, scratch: Path) -> float:
+def run(project: Path, num_workers: int, args, scratch: Path) -> float:
     out = scratch / f"rate-{time.monotonic_ns()}"
     command = torchrun(
         __file__,
         "--worker",
         str(num_workers),
         "--batches",
-        str(batches),
+        str(args.batches),
+        "--image-size",
+        str(args.image_size),
         "--out",
         str(out),
     )
@@ -97,30 +87,35 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--naive", type=int, default=8, help="the fixed worker count per rank to compare with")
     parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
-        worker_main(args.worker, args.batches, args.out)
+        worker_main(args.worker, args.batches, args.image_size, args.out)
         return 0
 
+    from cookiecutter.main import cookiecutter
+
     with tempfile.TemporaryDirectory() as scratch:
-        project = bake(Path(scratch))
+        extra = {"task": "image_classification"}
+        project = Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=extra, output_dir=scratch))
         sys.path.insert(0, str(project / "src"))
         from ddp_trainer.dist import cpus_available
         from ddp_trainer.loaders import workers_per_rank
 
         sized = workers_per_rank(cpus_available(), 2, cap=8)
-        rates = {"sized": [], "naive": []}
+        settings = {"sized (auto)": sized, "none": 0, "one": 1, "naive fixed": args.naive}
+        rates = {name: [] for name in settings}
         for _ in range(args.pairs):
-            rates["sized"].append(run(project, sized, args.batches, Path(scratch)))
-            rates["naive"].append(run(project, args.naive, args.batches, Path(scratch)))
-    ratios = [a / b for a, b in zip(rates["sized"], rates["naive"], strict=True)]
-    print(f"{cpus_available()} CPUs, 2 ranks: sized = {sized} workers per rank, naive = {args.naive}")
-    print("| loader | workers per rank | samples/s (median) |\n|---|---|---|")
-    print(f"| sized | {sized} | {statistics.median(rates['sized']):.0f} |")
-    print(f"| naive | {args.naive} | {statistics.median(rates['naive']):.0f} |")
-    print(f"sized / naive samples/s: {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
+            for name, workers in settings.items():
+                rates[name].append(run(project, workers, args, Path(scratch)))
+    print(f"{cpus_available()} CPUs, 2 ranks, {args.image_size} px crops of the drawn JPEGs")
+    print("| loader | workers per rank | images/s (median) | vs sized (min-max) |\n|---|---|---|---|")
+    for name, workers in settings.items():
+        ratios = [a / b for a, b in zip(rates[name], rates["sized (auto)"], strict=True)]
+        spread = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"| {name} | {workers} | {statistics.median(rates[name]):.0f} | {spread} |")
     return 0
 
 
