@@ -34,11 +34,12 @@ LrScaling = Literal["auto", "linear", "sqrt", "none"]
 
 @contextmanager
 def exit_on_user_error():
-    """A problem the user can fix ends the process with its one-line message and exit code 2."""
+    """A problem the user can fix ends the process with its message, one prefixed line per
+    problem, and exit code 2."""
     try:
         yield
     except ConfigError as err:
-        print(f"{err.prefix}: {err}", file=sys.stderr, flush=True)
+        print("\n".join(f"{err.prefix}: {line}" for line in str(err).splitlines()), file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 

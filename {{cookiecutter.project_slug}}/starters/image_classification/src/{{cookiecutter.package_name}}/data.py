@@ -36,15 +36,16 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 MAKE_SAMPLE = "`python -m {{ cookiecutter.package_name }}.shapes DIR` writes a sample tree"
 
 
-def _three(low: float) -> Rule:
-    return Rule(
-        lambda v: isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) and x > low for x in v),
-        f"use three numbers (red, green, blue) above {low}",
-    )
+def _rgb(positive: bool) -> Rule:
+    def holds(values) -> bool:
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        return len(values) == 3 and numbers and (not positive or min(values) > 0)
+
+    return Rule(holds, f"use three {'positive ' if positive else ''}numbers: red, green, blue")
 
 
-Channels = Annotated[list, _three(-1e9)]
-PositiveChannels = Annotated[list, _three(0)]
+Channels = Annotated[list, _rgb(positive=False)]
+PositiveChannels = Annotated[list, _rgb(positive=True)]
 CropScale = Annotated[
     list, Rule(lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "use [min, max] with 0 < min <= max <= 1")
 ]
