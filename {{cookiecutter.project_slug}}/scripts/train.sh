@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train on every GPU of this node (P29), or on 2 CPU processes where there is none.
+# Train on every GPU of this node, or on 2 CPU processes where there is none.
 #   scripts/train.sh [--config configs/default.yaml] [section.key=value ...]
 # Environment: NPROC_PER_NODE (default: visible GPUs, else 2), OMP_NUM_THREADS, MAX_RESTARTS.
 # TERM, HUP or USR1: checkpoint at the next log step and exit 75 (rerun or requeue to resume);

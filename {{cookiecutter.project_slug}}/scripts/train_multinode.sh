@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train on several nodes (P30): run this script once on every node.
+# Train on several nodes: run this script once on every node.
 #
 # Elastic c10d rendezvous (no node ranks; a failed worker restarts every node's workers):
 #   NNODES=2 RDZV_ENDPOINT=10.0.0.1:29622 RDZV_ID=exp1 scripts/train_multinode.sh [overrides...]

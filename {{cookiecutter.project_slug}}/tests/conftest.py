@@ -27,14 +27,21 @@ TINY = (
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the slow tier: fault drills, launchers, swaps")
+    parser.addoption(
+        "--task",
+        action="store_true",
+        help="also run the slow tests of the task end to end (its real run, resume, evaluation counts, smoke check)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--slow"):
         return
-    skip = pytest.mark.skip(reason="slow tier: run `python -m pytest --slow` to include it")
+    with_task = config.getoption("--task")
+    skip = pytest.mark.skip(reason="slow tier: run `python -m pytest --slow` (or `--task` for the task's tests)")
     for item in items:
-        if "slow" in item.keywords:
+        is_task = item.get_closest_marker("task") is not None
+        if (is_task and not with_task) or (item.get_closest_marker("slow") and not is_task):
             item.add_marker(skip)
 
 

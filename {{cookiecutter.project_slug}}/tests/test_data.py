@@ -42,7 +42,7 @@ def test_samplers_and_loader_settings():
     train, evaluation = build(0, 2)
     assert isinstance(train.sampler, DistributedSampler) and train.sampler.shuffle and train.sampler.drop_last
     assert isinstance(evaluation.sampler, DistributedSampler) and not evaluation.sampler.shuffle
-    assert train.drop_last and not evaluation.drop_last  # P8: drop_last on sampler and loader
+    assert train.drop_last and not evaluation.drop_last  # drop_last on sampler and loader
     assert not train.pin_memory  # CPU: nothing to pin
     train, _ = build(0, 2, workers=2)
     assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 2

@@ -74,7 +74,7 @@ def test_ddp_wrapping_settings(proofs):
     assert wrapping["bucket_bytes_cap"] == 7 * 1024 * 1024  # dist.bucket_cap_mb
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_eval_counts_each_sample_once_for_world_sizes_1_2_3(proofs, tmp_path):
     run([sys.executable, PROOFS, str(tmp_path), "--only", "eval", *TINY], timeout=60)
     torchrun(PROOFS, str(tmp_path), "--only", "eval", *TINY, nproc=3, timeout=120)

@@ -7,22 +7,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_args, wait_for
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_args, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, config, launch, optim
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.task import build_model
+from {{ cookiecutter.package_name }}.task import build_datasets, build_model
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
-# 128 steps, over epoch boundaries for every starter (64, 40 or more steps an epoch at the test sizes)
-STRAIGHT = (*EVERY_20, "train.epochs=4", "train.max_steps=128")
+EVERY_10 = ("checkpoint.every_steps=10", "checkpoint.keep_last=20")
 
 
 def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
@@ -36,8 +36,8 @@ def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
     )
 
 
-def final_state(run_dir: Path) -> dict:
-    return checkpoint.load_file(run_dir / "checkpoints" / "step_00000128.pt")
+def final_state(run_dir: Path, step: int) -> dict:
+    return checkpoint.load_file(run_dir / "checkpoints" / f"step_{step:08d}.pt")
 
 
 def assert_bit_identical(a, b, path="state"):
@@ -54,23 +54,35 @@ def assert_bit_identical(a, b, path="state"):
         assert a == b, f"{path}: {a} != {b}"
 
 
+@dataclass
+class StraightRun:
+    overrides: tuple[str, ...]
+    steps: int
+    state: dict
+
+
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-    """128 uninterrupted steps on 2 ranks: the reference for every resume."""
+def straight_run(tmp_path_factory) -> StraightRun:
+    """An uninterrupted 2-rank run 5 steps into epoch 1, checkpointing every 10 steps: the
+    reference for every resume (a resume at step 10 or 20 is mid-epoch 0 for every task)."""
+    cfg = config.load(SMOKE_CONFIG, TINY)
+    train_set, _ = build_datasets(cfg)
+    steps = len(train_set) // 2 // cfg.data.batch_size // cfg.train.grad_accum_steps + 5
+    overrides = (*EVERY_10, f"train.max_steps={steps}")
     out = tmp_path_factory.mktemp("straight")
-    torchrun(*train_args(out, *STRAIGHT), timeout=180)
-    return final_state(out / "smoke")
+    torchrun(*train_args(out, *overrides), timeout=180)
+    return StraightRun(overrides, steps, final_state(out / "smoke", steps))
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, straight_run):
-    crashed = faulty_run(tmp_path, *STRAIGHT[2:], FAULT="crash", FAULT_RANK="1", FAULT_STEP="35")
-    assert crashed.returncode != 0 and "injected crash in step 35" in crashed.stderr
-    resumed = torchrun(*train_args(tmp_path, *STRAIGHT), timeout=180)
-    assert "resumed from" in resumed.stdout and "step_00000020.pt at step 20" in resumed.stdout  # mid-epoch 0
-    result = final_state(tmp_path / "smoke")
+    crashed = faulty_run(tmp_path, *straight_run.overrides, FAULT="crash", FAULT_RANK="1", FAULT_STEP="15")
+    assert crashed.returncode != 0 and "injected crash in step 15" in crashed.stderr
+    resumed = torchrun(*train_args(tmp_path, *straight_run.overrides), timeout=180)
+    assert "resumed from" in resumed.stdout and "step_00000010.pt at step 10" in resumed.stdout
+    result = final_state(tmp_path / "smoke", straight_run.steps)
     for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
-        assert_bit_identical(result[part], straight_run[part], part)
+        assert_bit_identical(result[part], straight_run.state[part], part)
 
 
 @pytest.mark.slow
@@ -78,17 +90,18 @@ def test_torchrun_restart_after_a_worker_failure_resumes_and_matches(tmp_path, s
     once = tmp_path / "failed-once"
     result = faulty_run(
         tmp_path,
-        "train.max_steps=128",
+        *straight_run.overrides,
         launcher=("--max-restarts=1",),
         timeout=240,
         FAULT="crash",
         FAULT_RANK="1",
-        FAULT_STEP="70",
+        FAULT_STEP="25",
         FAULT_ONCE=str(once),
     )
     assert result.returncode == 0, result.stderr
-    assert once.exists() and "step_00000060.pt at step 60" in result.stdout
-    assert_bit_identical(final_state(tmp_path / "smoke")["model"], straight_run["model"], "model")
+    assert once.exists() and "step_00000020.pt at step 20" in result.stdout
+    final = final_state(tmp_path / "smoke", straight_run.steps)
+    assert_bit_identical(final["model"], straight_run.state["model"], "model")
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int | None:

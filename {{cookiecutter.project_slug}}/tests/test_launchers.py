@@ -116,7 +116,7 @@ def smoke_rows(output: str) -> dict:
     return rows
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
     result = run(
         ["bash", "scripts/smoke.sh", f"run.out_dir={tmp_path}"], env=project_env(CUDA_VISIBLE_DEVICES=""), timeout=180

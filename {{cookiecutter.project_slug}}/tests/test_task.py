@@ -52,7 +52,7 @@ def test_a_classifier_needs_two_classes():
         config.load(None, ["dataset.num_classes=1"])
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_the_example_task_trains_to_a_real_result(tmp_path):
     torchrun(*train_args(tmp_path, "run.name=real"), timeout=180)
     evals = [r for r in read_metrics(tmp_path / "real") if "eval_accuracy" in r]
@@ -111,7 +111,7 @@ def test_an_empty_dataset_is_named(pieces):
         preflight.check_task(model, train, ([], eval_loader))
 
 
-@pytest.mark.slow
+@pytest.mark.task
 @pytest.mark.parametrize(
     ("mistake", "line"),
     [

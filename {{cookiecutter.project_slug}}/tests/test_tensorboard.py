@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import read_metrics, run, torchrun, train_args
 
+from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
@@ -86,7 +87,8 @@ def test_a_two_rank_run_resumed_mid_way_logs_every_step_once_in_order(tmp_path):
     assert [value for _, value in events["train/loss"]] == pytest.approx([final[s]["loss"] for s in steps], rel=1e-6)
     for tag in ("train/lr", "train/samples_per_s", "train/data_wait_share", "time/fwd_bwd_ms", "time/optimizer_ms"):
         assert [step for step, _ in events[tag]] == steps, tag
-    assert [step for step, _ in events["eval/accuracy"]] == [40]  # the eval at 30 belonged to the superseded attempt
+    main_metric = f"eval/{task.MAIN_METRIC[0]}"
+    assert [step for step, _ in events[main_metric]] == [40]  # the eval at 30 belonged to the superseded attempt
     assert {"eval/loss", "time/data_wait_ms", "time/other_ms", "time/step_ms"} <= set(events)
 
 

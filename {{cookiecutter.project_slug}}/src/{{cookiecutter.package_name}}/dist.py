@@ -74,7 +74,7 @@ def device_problem(info: DistInfo) -> str | None:
 
 
 def bind_device(info: DistInfo) -> None:
-    """Make this rank's GPU the current device (P3); call it before anything touches CUDA:
+    """Make this rank's GPU the current device; call it before anything touches CUDA:
     unbound, every rank opens a context (and allocates) on GPU 0."""
     if info.device.type == "cuda":
         problem = device_problem(info)
@@ -84,7 +84,7 @@ def bind_device(info: DistInfo) -> None:
 
 
 def init(info: DistInfo, timeout_minutes: float) -> None:
-    """Bind this process to its own device, then join the process group (P1-P4)."""
+    """Bind this process to its own device, then join the process group."""
     bind_device(info)  # first: the process group then knows its device instead of guessing one
     forget_earlier_preemption()
     if info.distributed:
@@ -124,7 +124,7 @@ def teardown(info: DistInfo) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Same seed on every rank, so every replica starts from the same weights (P5)."""
+    """Same seed on every rank, so every replica starts from the same weights."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -255,7 +255,7 @@ def barrier() -> None:
 
 
 def print0(info: DistInfo, *args, **kwargs) -> None:
-    """print on global rank 0 only (P24)."""
+    """print on global rank 0 only."""
     if info.is_main:
         print(*args, **kwargs, flush=True)
 

@@ -135,7 +135,7 @@ def test_training_flops_match_torchvisions_published_count(tree):
     assert task.throughput(small_config(tree), None).unit == "images"
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
     """The built-in sample (dataset.root: null): real JPEGs decoded by loader workers."""
     overrides = ["run.name=shapes", "train.epochs=5", "data.num_workers=1"]  # 200 steps of 2 x 16 images
@@ -146,7 +146,7 @@ def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
     assert record["images_per_s"] == pytest.approx(record["samples_per_s"]) and "mfu" not in record
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_a_missing_root_ends_a_two_rank_run_with_one_line_per_rank_and_exit_2(tmp_path):
     missing = tmp_path / "nowhere"
     start = time.monotonic()

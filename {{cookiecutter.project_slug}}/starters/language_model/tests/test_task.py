@@ -136,7 +136,7 @@ def unigram_entropy(path) -> float:
     return -sum(n / total * math.log(n / total) for n in counts.values())
 
 
-@pytest.mark.slow
+@pytest.mark.task
 def test_prepare_train_and_sample_on_real_text(tmp_path):
     """Python's own email package sources (on every machine, not written for this test): a
     small model must beat the text's unigram entropy clearly, and sample from its checkpoint."""
