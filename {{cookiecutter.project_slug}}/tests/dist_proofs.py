@@ -203,8 +203,8 @@ def main() -> None:
     results = {"world_size": info.world_size, "eval": prove_eval_counts(args.overrides, info)}
     if args.only is None:
         results |= {
-            "equivalence": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=1, steps=12),
-            "accumulation": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=4, steps=6),
+            "equivalence": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=1, steps=6),
+            "accumulation": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=4, steps=4),
             "weighting": prove_unequal_terms_are_weighted_globally(args.out, args.overrides, info),
             "initial_weights": prove_same_initial_weights(args.overrides),
             "unequal_lengths": prove_unequal_lengths_fail_on_every_rank(info),
