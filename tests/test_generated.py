@@ -36,7 +36,7 @@ def own_tests(project, options) -> subprocess.CompletedProcess:
 def suites(request, tmp_path_factory):
     """The selected projects' own suites, started together and run two at a time, longest first:
     the defaults project's slow tier waits on launches and timeouts half of the time, and a
-    third suite would starve its timed drills. One xdist worker holds them all (xdist_group)."""
+    third suite would starve its timed drills. xdist keeps this file on one worker (loadfile)."""
     ours = [item for item in request.session.items if item.module is request.module]
     selected = [item.callspec.params["name"] for item in ours if hasattr(item, "callspec")]
     # baked one after the other: cookiecutter changes the working directory while it renders
@@ -47,7 +47,6 @@ def suites(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("baked-suites")
 @pytest.mark.parametrize("name", REPRESENTATIVE)
 def test_generated_project_passes_its_own_tests(suites, name):
     result = suites[name].result()
