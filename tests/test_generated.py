@@ -13,12 +13,12 @@ smoke check.
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import BIN, bake
 
-# name -> (answers, the project's pytest options), the longest run first
+# answers -> the project's pytest options; the longest run first, so that it starts early and the
+# other xdist worker takes the rest
 REPRESENTATIVE = {
     "defaults": ({}, ["--slow"]),
     "image-classification": ({"task": "image_classification"}, ["--task"]),
@@ -27,31 +27,19 @@ REPRESENTATIVE = {
 }
 
 
-def own_tests(project, options) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
-    return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=1200)
-
-
-@pytest.fixture(scope="module")
-def suites(request, tmp_path_factory):
-    """The selected projects' own suites, started together and run two at a time, longest first:
-    the defaults project's slow tier waits on launches and timeouts half of the time, and a
-    third suite would starve its timed drills. xdist keeps this file on one worker (loadfile)."""
-    ours = [item for item in request.session.items if item.module is request.module]
-    selected = [item.callspec.params["name"] for item in ours if hasattr(item, "callspec")]
-    # baked one after the other: cookiecutter changes the working directory while it renders
-    projects = {name: bake(tmp_path_factory.mktemp(name), **REPRESENTATIVE[name][0]) for name in selected}
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield {name: pool.submit(own_tests, project, REPRESENTATIVE[name][1]) for name, project in projects.items()}
-    pool.shutdown(cancel_futures=True)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", REPRESENTATIVE)
-def test_generated_project_passes_its_own_tests(suites, name):
-    result = suites[name].result()
+@pytest.mark.parametrize(("answers", "options"), REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
+def test_generated_project_passes_its_own_tests(tmp_path, answers, options):
+    project = bake(tmp_path, **answers)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    print(f"{name} {REPRESENTATIVE[name]}: {summary}")
+    print(f"{project.name} {answers} {options}: {summary}")
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
     assert " passed" in summary and " failed" not in summary
 
