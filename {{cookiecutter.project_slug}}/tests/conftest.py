@@ -41,7 +41,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="slow tier: run `python -m pytest --slow` (or `--task` for the task's tests)")
     for item in items:
         is_task = item.get_closest_marker("task") is not None
-        if (is_task and not with_task) or (item.get_closest_marker("slow") and not is_task):
+        if (is_task or item.get_closest_marker("slow")) and not (is_task and with_task):
             item.add_marker(skip)
 
 
