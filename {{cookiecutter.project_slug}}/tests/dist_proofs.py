@@ -27,14 +27,14 @@ SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
 
 
-def rank_shards(train_set, cfg, world_size: int) -> list[list[int]]:
-    """The sample indices each rank's sampler yields in epoch 0."""
+def rank_shards(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
+    """The sample indices each rank's sampler yields in an epoch."""
     shards = []
     for rank in range(world_size):
         sampler = loaders.ResumableSampler(
             train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.run.seed, drop_last=True
         )
-        sampler.set_epoch(0)
+        sampler.set_epoch(epoch)
         shards.append(list(sampler))
     return shards
 
@@ -50,9 +50,15 @@ def reference_gradients(model, batches) -> None:
     loss.backward()
 
 
-def step_batches(train_set, collate, shards: list[list[int]], step: int, cfg) -> list:
-    """The micro-batches of one optimizer step on every rank, rank by rank."""
+def step_batches(train_set, collate, world_size: int, step: int, cfg) -> list:
+    """The micro-batches of one optimizer step on every rank, rank by rank (a small dataset's
+    epoch can end within the proofs' steps)."""
     per_rank, batch = cfg.data.batch_size * cfg.train.grad_accum_steps, cfg.data.batch_size
+    steps_per_epoch = len(rank_shards(train_set, cfg, world_size, 0)[0]) // per_rank
+    epoch, step = divmod(step, steps_per_epoch)
+    shards = rank_shards(train_set, cfg, world_size, epoch)
+    if hasattr(train_set, "set_epoch"):  # as train.fit does: per-epoch augmentation
+        train_set.set_epoch(epoch)
     step_indices = [shard[step * per_rank : (step + 1) * per_rank] for shard in shards]
     chunks = [indices[i : i + batch] for indices in step_indices for i in range(0, per_rank, batch)]
     return [collate([train_set[i] for i in chunk]) for chunk in chunks]
@@ -70,13 +76,12 @@ def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
     model = task.build_model(cfg)
     train_set, eval_set = task.build_datasets(cfg)
     collate = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[0].collate_fn
-    shards = rank_shards(train_set, cfg, world_size)
     worst = 0.0
     for step, (weights, gradients) in enumerate(steps):
         model.load_state_dict(weights)
         model.zero_grad(set_to_none=True)
         model.train()
-        reference_gradients(model, step_batches(train_set, collate, shards, step, cfg))
+        reference_gradients(model, step_batches(train_set, collate, world_size, step, cfg))
         largest = max(p.grad.abs().max().item() for p in model.parameters())
         error = max((g - p.grad).abs().max().item() for g, p in zip(gradients, model.parameters(), strict=True))
         worst = max(worst, error / largest)

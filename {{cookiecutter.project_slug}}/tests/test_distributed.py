@@ -6,10 +6,13 @@ One torchrun launch runs every proof (tests/dist_proofs.py); each test checks on
 import json
 import sys
 
+import dist_proofs
 import pytest
+import torch
 from conftest import PROJECT, SMOKE_CONFIG, TINY, run, torchrun
 
-from {{ cookiecutter.package_name }} import config, task
+from {{ cookiecutter.package_name }} import config, loaders, task
+from {{ cookiecutter.package_name }}.dist import DistInfo
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
 # What makes the loop's gradient differ from one process's on the same samples and weights
@@ -85,3 +88,30 @@ def test_eval_counts_each_sample_once_for_world_sizes_1_2_3(proofs, tmp_path):
     for name in by_world[1]:
         values = [r[name] for r in by_world.values()]
         assert max(values) - min(values) <= 1e-6 * max(1.0, abs(max(values))), name  # fp32 sums in another order
+
+
+def leaves(batch) -> list:
+    if isinstance(batch, dict):
+        return [leaf for value in batch.values() for leaf in leaves(value)]
+    if isinstance(batch, (list, tuple)):
+        return [leaf for value in batch for leaf in leaves(value)]
+    return [batch]
+
+
+def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in():
+    """A small dataset's epoch can end within the proofs' steps: the reference must follow the
+    loader into the next epoch, not read past the end of epoch 0."""
+    cfg = config.load(SMOKE_CONFIG, [*TINY, *dist_proofs.EXACT_MATHS])
+    train_set, eval_set = task.build_datasets(cfg)
+    collate = loaders.build_loaders(train_set, eval_set, cfg, dist_proofs.world_of_one(), 0)[0].collate_fn
+    ranks = [DistInfo(r, r, 2, 2, torch.device("cpu"), "gloo") for r in range(2)]
+    epoch_1_loaders = [loaders.build_loaders(train_set, eval_set, cfg, info, 0)[0] for info in ranks]
+    steps_per_epoch = len(epoch_1_loaders[0]) // cfg.train.grad_accum_steps
+    reference = dist_proofs.step_batches(train_set, collate, 2, steps_per_epoch, cfg)  # epoch 1's first step
+    for loader in epoch_1_loaders:
+        loader.sampler.set_epoch(1)
+    if hasattr(train_set, "set_epoch"):
+        train_set.set_epoch(1)
+    loop = [next(iter(loader)) for loader in epoch_1_loaders]
+    for ours, theirs in zip(reference, loop, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(leaves(ours), leaves(theirs), strict=True))
