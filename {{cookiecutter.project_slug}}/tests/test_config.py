@@ -31,7 +31,9 @@ def dataclass_comments() -> dict[str, str]:
 
 def test_default_yaml_holds_every_setting_with_the_comment_of_its_dataclass_field():
     expected = dataclass_comments()
-    assert len(expected) == sum(len(section) for section in config.to_dict(config.Config()).values())
+    settings = {f"{name}.{key}" for name, section in config.to_dict(config.Config()).items() for key in section}
+    uncommented = sorted(settings - expected.keys())
+    assert not uncommented, f"add a `# what it means` comment after the default of {', '.join(uncommented)}"
     assert yaml_comments(DEFAULT_CONFIG.read_text()) == expected, (
         "configs/default.yaml has drifted from the dataclasses: run "
         "`python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`"

@@ -23,6 +23,14 @@ def pieces():
     return task.build_model(cfg), (train_set, train_loader), (eval_set, eval_loader)
 
 
+def test_sync_names_the_kept_seam_values_that_differ_from_the_defaults(tmp_path):
+    kept = tmp_path / "default.yaml"
+    kept.write_text("model:\n  hidden: 5\n  depth: 2\ndataset:\n  num_features: 32\n")
+    config.sync(kept)
+    expected = ["model.hidden=5 (default 64)", "dataset.num_features=32 (default 16)"]
+    assert config.seam_values_off_default(kept) == expected
+
+
 def test_the_default_task_passes_its_own_preflight(pieces):
     model, train, evaluation = pieces
     preflight.check_task(model, train, evaluation)

@@ -303,6 +303,21 @@ def sync(path: str | Path) -> list[str]:
     return dropped
 
 
+def seam_values_off_default(path: str | Path) -> list[str]:
+    """The model and dataset values a config file sets away from the dataclass defaults: after a
+    swap of model.py or data.py, a value kept under a reused name may belong to the old ones."""
+    cfg = load(path)
+    found = []
+    for name in ("model", "dataset"):
+        section = getattr(cfg, name)
+        default = type(section)()
+        for f in dataclasses.fields(section):
+            value, expected = getattr(section, f.name), getattr(default, f.name)
+            if value != expected:
+                found.append(f"{name}.{f.name}={value!r} (default {expected!r})")
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Rewrite a config file from the dataclasses, keeping its values.")
     parser.add_argument("command", choices=["sync"])
@@ -310,7 +325,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     with exit_on_user_error():
         dropped = sync(args.path)
+        kept = seam_values_off_default(args.path)
     print(f"wrote {args.path}" + (f"; dropped unknown keys {', '.join(dropped)}" if dropped else ""))
+    if kept:
+        print(f"kept, check they fit your model and data: {', '.join(kept)}")
     return 0
 
 
