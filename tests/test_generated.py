@@ -1,63 +1,61 @@
-"""Representative baked projects pass their own test suite; pre-commit passes in a fresh project.
+"""Representative baked projects pass their own test suites.
 
-The defaults project runs every tier (`pytest --slow`: fault drills, launchers, the swaps);
-one project with the other answers (fp16, accumulation, compile, no SLURM) runs the fast tier,
-which holds what those answers change (the maths proofs and the unit tests); the bake matrix in
-test_bake.py lints every other combination. The starters run the fast tier plus the slow tests
-of their task end to end (`pytest --task`): the language model's real-text training and
-sampling, the image classifier's ResNet-18 learning the drawn shapes from JPEG files to 0.9
-top-1, and for both the evaluation counts on 1, 2 and 3 ranks, a bit-identical resume and the
-smoke check.
+The defaults project runs every tier (`pytest --slow`: the maths proofs, fault drills,
+launchers, the swaps), split in two runs so that the drills and the rest go side by side; one
+project with the other answers (fp16, accumulation, compile, no SLURM) runs the fast tier, which
+holds what those answers change (the maths proofs and the unit tests); the bake matrix in
+test_bake.py lints every other combination. The starters run the fast tier plus their own slow
+tests (`pytest --task`, less the generic drills the defaults project already runs): the language
+model's real-text training and sampling, the image classifier's ResNet-18 learning the drawn
+shapes from JPEG files to 0.9 top-1.
 """
 
-import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import BIN, bake
+from conftest import bake
 
-# answers -> the project's pytest options; the longest run first, so that it starts early and the
-# other xdist worker takes the rest
+DRILLS = ["tests/test_faults.py", "tests/test_launchers.py", "tests/test_multinode.py", "tests/test_sbatch.py"]
+# the task's slow tests that are not the task's own: evaluation counts, resume and smoke.sh,
+# which the defaults project runs for every code path they share
+OWN_TASK_TESTS = ["--task", "-k", "not (eval_counts_each_sample or resume_mid_epoch or smoke_sh_passes)"]
+
+# name -> (answers, the project's pytest options), the longest run first
 REPRESENTATIVE = {
-    "defaults": ({}, ["--slow"]),
-    "image-classification": ({"task": "image_classification"}, ["--task"]),
-    "language-model": ({"task": "language_model"}, ["--task"]),
+    "defaults-rest": ({}, ["--slow", *(f"--ignore={path}" for path in DRILLS)]),
+    "defaults-drills": ({}, ["--slow", *DRILLS]),
+    "image-classification": ({"task": "image_classification"}, OWN_TASK_TESTS),
+    "language-model": ({"task": "language_model"}, OWN_TASK_TESTS),
     "fp16-accum4-compile": ({"precision": "fp16", "grad_accum_steps": "4", "compile": True, "slurm": False}, []),
 }
 
 
+def own_tests(project, options) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
+    return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.fixture(scope="module")
+def suites(request, tmp_path_factory):
+    """The selected projects' suites, two at a time, longest first: the CPU-bound suites keep
+    both cores busy without starving the timed drills. `--dist loadfile` keeps this module on
+    one xdist worker, and the other worker takes the rest of the template's tests."""
+    ours = [item for item in request.session.items if item.module is request.module]
+    selected = [item.callspec.params["name"] for item in ours]
+    # baked one after the other: cookiecutter changes the working directory while it renders
+    projects = {name: bake(tmp_path_factory.mktemp(name), **REPRESENTATIVE[name][0]) for name in selected}
+    pool = ThreadPoolExecutor(max_workers=2)
+    yield {name: pool.submit(own_tests, project, REPRESENTATIVE[name][1]) for name, project in projects.items()}
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("answers", "options"), REPRESENTATIVE.values(), ids=REPRESENTATIVE.keys())
-def test_generated_project_passes_its_own_tests(tmp_path, answers, options):
-    project = bake(tmp_path, **answers)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+@pytest.mark.parametrize("name", REPRESENTATIVE)
+def test_generated_project_passes_its_own_tests(suites, name):
+    result = suites[name].result()
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    print(f"{project.name} {answers} {options}: {summary}")
+    print(f"{name} {REPRESENTATIVE[name]}: {summary}")
     assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
     assert " passed" in summary and " failed" not in summary
-
-
-@pytest.mark.slow
-def test_pre_commit_passes_in_a_fresh_project(tmp_path):
-    project = bake(tmp_path / "out")
-    env = dict(
-        os.environ, PRE_COMMIT_HOME=str(tmp_path / "pre-commit-home"), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}"
-    )
-    for command in (["git", "init", "-q"], ["git", "add", "-A"]):
-        subprocess.run(command, cwd=project, check=True, env=env)
-    result = subprocess.run(
-        [str(BIN / "pre-commit"), "run", "--all-files"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
