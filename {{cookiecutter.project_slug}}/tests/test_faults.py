@@ -258,6 +258,28 @@ def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):
     assert result.returncode != 0 and f"checkpoint {bad} is unreadable" in result.stderr
 
 
+def test_resuming_another_models_checkpoint_is_one_config_error_that_names_the_fix(tmp_path):
+    payload = checkpoint.load_file(checkpoint.save(small_state(3), tmp_path, {}, INFO, keep_last=1))
+    weights = payload["model"]
+    reshaped = next(name for name, tensor in weights.items() if tensor.dim() >= 1)
+    weights[reshaped] = torch.zeros(*weights[reshaped].shape, 2)
+    missing = next(name for name in weights if name != reshaped)
+    del weights[missing]
+    weights["extra_head.weight"] = torch.zeros(1)
+    other = tmp_path / "other_model.pt"
+    torch.save(payload, other)
+    resumed = small_state(0)
+    with pytest.raises(config.ConfigError) as error:
+        checkpoint.resume(resumed, tmp_path, str(other), INFO)
+    assert str(error.value) == (
+        f"checkpoint.resume: {other} holds another model (parameters and buffers: 1 missing, e.g. {missing}, "
+        f"1 unexpected, e.g. extra_head.weight, 1 of another shape, e.g. {reshaped}): the model settings "
+        "changed since it was written; pass run.name=<a new name> to start a new run, or checkpoint.resume=never "
+        "to start afresh"
+    )
+    assert resumed.step == 0
+
+
 class RunsCode:
     def __init__(self, marker: Path):
         self.marker = marker

@@ -41,6 +41,14 @@ def test_bf16_on_an_a100_and_anything_on_cpu_is_fine(monkeypatch):
     assert hardware.precision_problem("bf16", torch.device("cpu")) is None
 
 
+def test_low_precision_on_a_cpu_gets_a_note_that_names_fp32():
+    for precision in ("bf16", "fp16"):
+        note = hardware.precision_note(precision, torch.device("cpu"))
+        assert note.startswith(f"note: train.precision={precision} on CPU") and "train.precision=fp32" in note
+    assert hardware.precision_note("fp32", torch.device("cpu")) is None
+    assert hardware.precision_note("bf16", torch.device("cuda", 0)) is None  # the GPU check is precision_problem's
+
+
 def test_the_bf16_check_asks_the_ranks_own_gpu_and_allocates_nothing(monkeypatch):
     asked = []
 

@@ -22,7 +22,7 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import checkpoint, config, task, train
+from {{ cookiecutter.package_name }} import checkpoint, config, hardware, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.task import build_model
 
@@ -51,6 +51,8 @@ def test_two_process_run_trains_and_reports(tmp_path):
         assert line in out
     assert out.count("world size") == 1  # printed by rank 0 only
     assert "note: train.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out
+    precision_note = hardware.precision_note(smoke.train.precision, torch.device("cpu"))
+    assert precision_note is None or precision_note in out
     losses = train_losses(tmp_path / "e2e")
     assert losses[-1] < 0.8 * losses[0]  # how far it must get is each task's own test (test_task.py)
     evals = [r for r in read_metrics(tmp_path / "e2e") if f"eval_{main_metric}" in r]

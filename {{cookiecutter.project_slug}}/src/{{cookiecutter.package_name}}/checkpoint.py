@@ -24,6 +24,7 @@ from torch import nn
 
 from . import dist, launch
 from .dist import DistInfo
+from .rules import ConfigError
 
 
 @dataclass
@@ -174,6 +175,19 @@ def newest_loadable(run_dir: Path) -> tuple[Path | None, dict | None]:
     return None, None
 
 
+def model_mismatch(model: nn.Module, saved: dict) -> str | None:
+    """How a checkpoint's weights differ from `model`'s in names and shapes, or None if they fit."""
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    reshaped = [k for k in expected if k in saved and expected[k].shape != saved[k].shape]
+    if not (missing or unexpected or reshaped):
+        return None
+    counts = {"missing": missing, "unexpected": unexpected, "of another shape": reshaped}
+    found = ", ".join(f"{len(keys)} {what}, e.g. {keys[0]}" for what, keys in counts.items() if keys)
+    return f"parameters and buffers: {found}"
+
+
 def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo) -> Path | None:
     """Restore `state` as `setting` says (auto | never | a path); returns the file used.
 
@@ -189,6 +203,12 @@ def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo) -> Pa
     else:
         chosen = Path(setting)
     payload = load_file(chosen)
+    mismatch = model_mismatch(state.model, payload["model"])
+    if mismatch:
+        raise ConfigError(
+            f"checkpoint.resume: {chosen} holds another model ({mismatch}): the model settings changed since it "
+            "was written; pass run.name=<a new name> to start a new run, or checkpoint.resume=never to start afresh"
+        )
     state.load_state_dict(payload)
     rngs = payload["rng"]
     set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])

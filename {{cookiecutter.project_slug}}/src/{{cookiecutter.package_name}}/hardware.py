@@ -76,6 +76,16 @@ def precision_problem(precision: str, device: torch.device) -> str | None:
     )
 
 
+def precision_note(precision: str, device: torch.device) -> str | None:
+    """A warning for low-precision autocast on a CPU, where it is usually emulated; or None."""
+    if precision == "fp32" or device.type != "cpu":
+        return None
+    return (
+        f"note: train.precision={precision} on CPU: CPUs without {precision} units (AVX512-BF16, AMX) emulate it, "
+        "several times slower than fp32 (convolutions 20x and more); pass train.precision=fp32 for CPU runs"
+    )
+
+
 def peak_flops(device: torch.device, precision: str, configured: float | str) -> tuple[float | None, str]:
     """One device's peak FLOP/s at `precision` for MFU, or None; and where the figure comes from."""
     if configured != "auto":

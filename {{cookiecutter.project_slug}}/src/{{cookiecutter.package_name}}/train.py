@@ -347,6 +347,9 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"parameters {params:,}; static memory per device ~{params * per_param / 2**20:.1f} MiB\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
+    note = hardware.precision_note(cfg.train.precision, info.device)
+    if note:
+        dist.print0(info, note)
 
 
 if __name__ == "__main__":
