@@ -258,6 +258,18 @@ def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):
     assert result.returncode != 0 and f"checkpoint {bad} is unreadable" in result.stderr
 
 
+def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):
+    written = {"train": {"epochs": 10, "lr": 0.1}, "checkpoint": {"resume": "auto"}, "run": {"name": "a"}}
+    checkpoint.save(small_state(3), tmp_path, written, INFO, keep_last=1)
+    now = {"train": {"epochs": 1, "lr": 0.1}, "checkpoint": {"resume": "step_3.pt"}, "run": {"name": "a"}}
+    checkpoint.resume(small_state(0), tmp_path, "auto", INFO, now)
+    note = capsys.readouterr().out
+    assert note.startswith("note: resuming step_00000003.pt with settings changed since it was written: ")
+    assert "train.epochs 10 -> 1;" in note and "lr" not in note.split(";")[0] and "checkpoint.resume" not in note
+    checkpoint.resume(small_state(0), tmp_path, "auto", INFO, written)
+    assert capsys.readouterr().out == ""
+
+
 def test_resuming_another_models_checkpoint_is_one_config_error_that_names_the_fix(tmp_path):
     payload = checkpoint.load_file(checkpoint.save(small_state(3), tmp_path, {}, INFO, keep_last=1))
     weights = payload["model"]

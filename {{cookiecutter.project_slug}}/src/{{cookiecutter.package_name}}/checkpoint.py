@@ -188,10 +188,23 @@ def model_mismatch(model: nn.Module, saved: dict) -> str | None:
     return f"parameters and buffers: {found}"
 
 
-def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo) -> Path | None:
+def changed_settings(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """`section.key old -> new` for each setting of `current` whose value differs from `saved`'s."""
+    changes = []
+    for key, value in current.items():
+        name, before = f"{prefix}{key}", saved.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            changes += changed_settings(before, value, f"{name}.")
+        elif key in saved and value != before and name != "checkpoint.resume":  # resume names this very file
+            changes.append(f"{name} {before} -> {value}")
+    return changes
+
+
+def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo, config: dict | None = None) -> Path | None:
     """Restore `state` as `setting` says (auto | never | a path); returns the file used.
 
     Rank 0 chooses the file and every rank loads that same one, so ranks cannot disagree.
+    Settings that differ from the checkpoint's `config` are listed in a note.
     """
     if setting == "never":
         return None
@@ -210,6 +223,14 @@ def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo) -> Pa
             "was written; pass run.name=<a new name> to start a new run, or checkpoint.resume=never to start afresh"
         )
     state.load_state_dict(payload)
+    changes = changed_settings(payload.get("config", {}), config or {})
+    if changes:
+        dist.print0(
+            info,
+            f"note: resuming {chosen.name} with settings changed since it was written: {', '.join(changes)}; "
+            "the step, optimizer and learning-rate schedule continue from the checkpoint "
+            "(a new run.name starts afresh)",
+        )
     rngs = payload["rng"]
     set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])
     return chosen

@@ -112,7 +112,7 @@ def run(cfg: Config, info: DistInfo) -> int:
     problem = dist.shared_dir_problem(info, cfg.run_dir)  # every rank loads the checkpoint it resumes from
     if problem:
         raise ConfigError(problem)
-    resumed = checkpoint.resume(job.state, cfg.run_dir, cfg.checkpoint.resume, info)
+    resumed = checkpoint.resume(job.state, cfg.run_dir, cfg.checkpoint.resume, info, config.to_dict(cfg))
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")

@@ -74,6 +74,15 @@ def test_augmentation_depends_on_the_seed_epoch_and_index_only(tree):
     assert not torch.equal(train_set[7][0], first)  # a new epoch, new crops
 
 
+def test_hflip_false_leaves_the_training_images_unmirrored(tree):
+    from torchvision.transforms import RandomHorizontalFlip
+
+    for hflip in (True, False):
+        train, evaluation = data.transforms(small_config(tree, f"dataset.hflip={str(hflip).lower()}"))
+        assert any(isinstance(t, RandomHorizontalFlip) for t in train.transforms) is hflip
+        assert not any(isinstance(t, RandomHorizontalFlip) for t in evaluation.transforms)
+
+
 def test_every_problem_of_a_tree_gets_its_own_line_before_any_collective(tree, tmp_path):
     broken = tmp_path / "broken"
     for folder in ("train/cat", "train/dog", "train/empty", "val/cat", "val/cow"):
@@ -103,6 +112,21 @@ def test_a_wrong_arch_or_weights_name_is_a_config_error_with_suggestions(tree):
         config.ConfigError, match="resnet18 has no weights 'IMAGENET'; use one of IMAGENET1K_V1, DEFAULT"
     ):
         task.build_model(small_config(tree, "model.arch=resnet18", "model.weights=IMAGENET"))
+
+
+def test_pretrained_weights_out_of_reach_are_one_config_error_naming_the_cache(tree, tmp_path, monkeypatch):
+    from urllib.error import URLError
+
+    def offline(url, dst, *args, **kwargs):
+        raise URLError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))  # an empty cache: the file must be fetched
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    with pytest.raises(config.ConfigError) as error:
+        task.build_model(small_config(tree, "model.arch=resnet18", "model.weights=DEFAULT"))
+    message = str(error.value)
+    assert message.startswith("model.weights: DEFAULT for resnet18 could not be fetched from https://")
+    assert "Name or service not known" in message and f"copy it into {tmp_path / 'hub'}/checkpoints" in message
 
 
 def test_fine_tuning_replaces_the_last_linear_layer_only():

@@ -6,8 +6,8 @@
 One folder per class, the same classes in both splits; the classes are the sorted folder
 names, and their number sizes the model's head. Training samples get the standard
 augmentation (a random crop of `crop_scale` of the area, resized to `image_size`, and a
-horizontal flip); evaluation resizes the shorter side to `eval_resize` and takes the centre
-`image_size` crop. Both normalise with `mean` and `std`. Without `dataset.root` the project
+horizontal flip unless `hflip` is false); evaluation resizes the shorter side to `eval_resize`
+and takes the centre `image_size` crop. Both normalise with `mean` and `std`. Without `dataset.root` the project
 draws a sample tree of coloured shapes (shapes.py) and trains on that.
 
 The random augmentation of sample i in epoch e is drawn from a generator seeded by
@@ -57,6 +57,7 @@ class DatasetConfig:
     image_size: PositiveInt = 32  # side of the training crop and of the eval centre crop, in pixels
     eval_resize: PositiveInt | None = None  # shorter side before the eval centre crop; null: image_size / 0.875
     crop_scale: CropScale = field(default_factory=lambda: [0.5, 1.0])  # area share of a random training crop
+    hflip: bool = True  # random horizontal flips in training; false for digits, text, or what a mirror changes
     mean: Channels = field(default_factory=lambda: [0.485, 0.456, 0.406])  # per RGB channel; ImageNet's
     std: PositiveChannels = field(default_factory=lambda: [0.229, 0.224, 0.225])  # per RGB channel; ImageNet's
 
@@ -126,9 +127,8 @@ def transforms(cfg: Config):
 
     d = cfg.dataset
     to_tensor = [T.ToTensor(), T.Normalize(d.mean, d.std)]
-    train = T.Compose(
-        [T.RandomResizedCrop(d.image_size, scale=tuple(d.crop_scale)), T.RandomHorizontalFlip(), *to_tensor]
-    )
+    flip = [T.RandomHorizontalFlip()] if d.hflip else []
+    train = T.Compose([T.RandomResizedCrop(d.image_size, scale=tuple(d.crop_scale)), *flip, *to_tensor])
     evaluation = T.Compose([T.Resize(eval_resize(cfg)), T.CenterCrop(d.image_size), *to_tensor])
     return train, evaluation
 

@@ -40,7 +40,7 @@ def build_model(cfg: Config) -> nn.Module:
     if cfg.model.weights is None:
         model = models.get_model(cfg.model.arch, num_classes=classes)
     else:
-        model = models.get_model(cfg.model.arch, weights=pretrained(cfg.model.arch, cfg.model.weights))
+        model = pretrained_model(cfg.model.arch, cfg.model.weights)
         replace_head(model, classes, cfg.model.arch)
     return model.to(memory_format=image_layout(torch.device("cuda" if torch.cuda.is_available() else "cpu")))
 
@@ -66,6 +66,20 @@ def pretrained(arch: str, name: str):
     if name not in choices.__members__:
         raise ConfigError(f"model.weights: {arch} has no weights {name!r}; use one of {', '.join(choices.__members__)}")
     return choices[name]
+
+
+def pretrained_model(arch: str, name: str) -> nn.Module:
+    """The model with its pretrained weights, downloaded into the torch hub cache on first use."""
+    from torchvision import models
+
+    weights = pretrained(arch, name)
+    try:
+        return models.get_model(arch, weights=weights)
+    except OSError as err:  # URLError and HTTPError are OSErrors: no network, a proxy, a full disk
+        raise ConfigError(
+            f"model.weights: {name} for {arch} could not be fetched from {weights.url} ({err}); on a machine "
+            f"without network, fetch it once elsewhere and copy it into {torch.hub.get_dir()}/checkpoints"
+        ) from None
 
 
 def replace_head(model: nn.Module, classes: int, arch: str) -> None:
