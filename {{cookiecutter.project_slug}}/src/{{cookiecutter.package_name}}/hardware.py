@@ -81,8 +81,9 @@ def precision_note(precision: str, device: torch.device) -> str | None:
     if precision == "fp32" or device.type != "cpu":
         return None
     return (
-        f"note: train.precision={precision} on CPU: CPUs without {precision} units (AVX512-BF16, AMX) emulate it, "
-        "several times slower than fp32 (convolutions 20x and more); pass train.precision=fp32 for CPU runs"
+        f"note: train.precision={precision} on CPU: a CPU without {precision} units (AVX512 or AMX extensions) "
+        "emulates it, several times slower than fp32 (convolutions 20x and more); pass train.precision=fp32 "
+        "for CPU runs"
     )
 
 

@@ -7,8 +7,8 @@ One folder per class, the same classes in both splits; the classes are the sorte
 names, and their number sizes the model's head. Training samples get the standard
 augmentation (a random crop of `crop_scale` of the area, resized to `image_size`, and a
 horizontal flip unless `hflip` is false); evaluation resizes the shorter side to `eval_resize`
-and takes the centre `image_size` crop. Both normalise with `mean` and `std`. Without `dataset.root` the project
-draws a sample tree of coloured shapes (shapes.py) and trains on that.
+and takes the centre `image_size` crop. Both normalise with `mean` and `std`. Without
+`dataset.root` the project draws a sample tree of coloured shapes (shapes.py) and trains on that.
 
 The random augmentation of sample i in epoch e is drawn from a generator seeded by
 (run.seed, e, i), not from the loader workers' streams: a run sees the same crops whatever its
