@@ -10,6 +10,7 @@ model's real-text training and sampling, the image classifier's ResNet-18 learni
 shapes from JPEG files to 0.9 top-1.
 """
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,12 @@ REPRESENTATIVE = {
 }
 
 
+def suites_at_once(count: int) -> int:
+    """Two on 2 cores, as measured best (a suite keeps a core busy and its 2-rank launches a
+    second); one more per 2 cores beyond that."""
+    return min(count, max(2, len(os.sched_getaffinity(0)) // 2 + 1))
+
+
 def own_tests(project, options) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
     return subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=1200)
@@ -39,14 +46,14 @@ def own_tests(project, options) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def suites(request, tmp_path_factory):
-    """The selected projects' suites, two at a time, longest first: the CPU-bound suites keep
-    both cores busy without starving the timed drills. `--dist loadfile` keeps this module on
-    one xdist worker, and the other worker takes the rest of the template's tests."""
+    """The selected projects' suites, longest first, two at a time on 2 cores: the CPU-bound
+    suites keep both cores busy without starving the timed drills. `--dist loadfile` keeps this
+    module on one xdist worker, and the other worker takes the rest of the template's tests."""
     ours = [item for item in request.session.items if item.module is request.module]
     selected = [item.callspec.params["name"] for item in ours]
     # baked one after the other: cookiecutter changes the working directory while it renders
     projects = {name: bake(tmp_path_factory.mktemp(name), **REPRESENTATIVE[name][0]) for name in selected}
-    pool = ThreadPoolExecutor(max_workers=2)
+    pool = ThreadPoolExecutor(max_workers=suites_at_once(len(projects)))
     yield {name: pool.submit(own_tests, project, REPRESENTATIVE[name][1]) for name, project in projects.items()}
     pool.shutdown(cancel_futures=True)
 

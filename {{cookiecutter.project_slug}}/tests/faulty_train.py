@@ -7,6 +7,9 @@
       data:  rank FAULT_RANK's dataset raises when it reads a sample in step FAULT_STEP
       stall: rank FAULT_RANK sleeps FAULT_SECONDS before step FAULT_STEP (a stuck rank)
       slow:  every rank sleeps FAULT_SECONDS after each step (time to send a signal)
+      fetch: the model build downloads FAULT_CACHE/weights (FAULT_SECONDS long) unless the file
+             is there, as torchvision's pretrained weights do; each download adds its rank to
+             FAULT_CACHE/fetched
     Seam mistakes, on every rank (the preflight must stop them before training):
       wrong_output:    the model returns (B, C, 1) instead of (B, C) logits
       wrong_structure: the datasets yield {"sample": (...)} instead of the tuple the task unpacks
@@ -109,6 +112,19 @@ def mistaken_model(cfg, original=task.build_model):
     return torch.nn.Sequential(original(cfg), torch.nn.Unflatten(1, (-1, 1)))
 
 
+def fetching_model(cfg, original=task.build_model):
+    cache = Path(os.environ["FAULT_CACHE"])
+    if not (cache / "weights").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / "fetched", "a") as fetched:
+            fetched.write(f"{RANK}\n")
+        time.sleep(FAULT_SECONDS)
+        partial = cache / f".weights-{RANK}"  # written beside, then renamed: never half a file
+        partial.write_bytes(b"weights")
+        partial.replace(cache / "weights")
+    return original(cfg)
+
+
 train.optimizer_step = faulty_optimizer_step
 if FAULT == "wrong_output":
     task.build_model = mistaken_model
@@ -118,6 +134,8 @@ if FAULT == "nan":
     task.loss_sum = nan_loss_sum
 if FAULT == "data":
     task.build_datasets = failing_datasets
+if FAULT == "fetch":
+    task.build_model = fetching_model
 
 if __name__ == "__main__":
     sys.exit(train.main())

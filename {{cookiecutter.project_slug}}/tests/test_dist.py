@@ -1,15 +1,17 @@
 """The environment torchrun sets, backend by hardware, device binding, seeding; the store each
-restart uses, CPUs under SLURM, preemption reporting, the shared run directory."""
+restart uses, CPUs under SLURM, preemption reporting, the shared run directory, downloads by
+local rank 0 first."""
 
 import signal
 import sys
 
 import pytest
 import torch
-from conftest import project_env, run
+from conftest import PROJECT, project_env, run, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import checkpoint, dist, launch
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
 
 TORCHRUN_ENV = {
     "RANK": "9",
@@ -192,6 +194,7 @@ import sys
 from pathlib import Path
 from {{ cookiecutter.package_name }} import dist
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
 
 info = DistInfo.from_env()
 dist.init(info, timeout_minutes=1)
@@ -215,3 +218,47 @@ def test_a_run_directory_not_shared_by_the_nodes_is_found_on_every_rank(tmp_path
     assert result.returncode == 0, result.stderr
     assert "shared=None" in result.stdout
     assert "local=run.out_dir: ranks [1] cannot see" in result.stdout and "shared by all nodes" in result.stdout
+
+
+def two_rank_node(monkeypatch, local_rank: int, gathered: list, calls: list) -> DistInfo:
+    """Rank `local_rank` of a 2-rank node whose all-gather returns `gathered` and is logged in `calls`."""
+    monkeypatch.setattr(dist, "all_gather_objects", lambda obj: calls.append(("gather", obj)) or gathered)
+    return DistInfo(local_rank, local_rank, 2, 2, torch.device("cpu"), "gloo")
+
+
+@pytest.mark.parametrize("local_rank, expected", [(0, ["build", ("gather", None)]), (1, [("gather", None), "build"])])
+def test_local_rank_0_builds_before_the_others_which_wait_for_it(monkeypatch, local_rank, expected):
+    calls = []
+    info = two_rank_node(monkeypatch, local_rank, [None, None], calls)
+    assert dist.local_main_first(info, lambda: calls.append("build") or "model") == "model"
+    assert calls == expected
+
+
+def test_a_config_error_in_local_rank_0s_build_is_raised_on_every_rank(monkeypatch):
+    problem = ConfigError("dataset.root: /data/x is not a folder")
+
+    def fails():
+        raise problem
+
+    calls = []
+    with pytest.raises(ConfigError, match="is not a folder"):
+        dist.local_main_first(two_rank_node(monkeypatch, 0, [problem, None], calls), fails)
+    assert calls == [("gather", problem)]  # told the others before raising
+    calls = []
+    with pytest.raises(ConfigError, match="is not a folder"):
+        dist.local_main_first(two_rank_node(monkeypatch, 1, [problem, None], calls), lambda: calls.append("build"))
+    assert calls == [("gather", None)]  # never built
+
+
+def test_a_world_of_one_builds_without_a_collective(monkeypatch):
+    monkeypatch.setattr(dist, "all_gather_objects", lambda obj: pytest.fail("no collective in a world of one"))
+    assert dist.local_main_first(DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"), lambda: 7) == 7
+
+
+@pytest.mark.slow
+def test_a_download_in_the_model_build_happens_once_a_node(tmp_path):
+    """The seam downloads weights unless they are cached, on 2 ranks of one node: only local rank 0 fetches."""
+    cache = tmp_path / "cache"
+    env = project_env(FAULT="fetch", FAULT_CACHE=str(cache), FAULT_SECONDS="1")
+    torchrun(str(PROJECT / "tests" / "faulty_train.py"), *train_args(tmp_path, "train.max_steps=2")[2:], env=env)
+    assert (cache / "fetched").read_text().split() == ["0"]

@@ -13,14 +13,19 @@ import random
 import secrets
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as torch_dist
 
 from . import launch
+from .rules import ConfigError
+
+Built = TypeVar("Built")
 
 
 @dataclass(frozen=True)
@@ -247,6 +252,28 @@ def broadcast_object(obj):
     box = [obj]
     torch_dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def local_main_first(info: DistInfo, build: Callable[[], Built]) -> Built:
+    """`build()` on each node's local rank 0 first, then on the node's other ranks: what it
+    downloads or writes into a cache (pretrained weights, a dataset's files) is fetched once a
+    node instead of by every rank at the same moment, and the other ranks read it from the cache.
+
+    The waiting ranks wait in a collective, so a build longer than dist.timeout_minutes times
+    out. A config error in a local rank 0's build is raised on every rank.
+    """
+    if not info.distributed or info.local_world_size == 1:
+        return build()
+    built, problem = None, None
+    if info.local_rank == 0:
+        try:
+            built = build()
+        except ConfigError as err:
+            problem = err
+    problems = [error for error in all_gather_objects(problem) if error is not None]
+    if problems:
+        raise problems[0]
+    return built if info.local_rank == 0 else build()
 
 
 def barrier() -> None:

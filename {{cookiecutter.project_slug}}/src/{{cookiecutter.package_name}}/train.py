@@ -132,8 +132,10 @@ def build(cfg: Config, info: DistInfo) -> Job:
     torch.set_num_threads(dist.intra_op_threads(info.local_world_size))  # a user's OMP_NUM_THREADS wins
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     dist.seed_everything(cfg.run.seed)  # after init, before the model exists
-    raw_model = task.build_model(cfg)
-    train_set, eval_set = task.build_datasets(cfg)
+    # local rank 0 first: a download in the seam (weights, a dataset) happens once a node
+    raw_model, (train_set, eval_set) = dist.local_main_first(
+        info, lambda: (task.build_model(cfg), task.build_datasets(cfg))
+    )
     workers = loaders.resolve_workers(cfg, cpus, info.local_world_size)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
