@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -110,6 +111,19 @@ def wait_for(predicate, timeout: float) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.1)
+
+
+class Writes(io.StringIO):
+    """A stream that keeps each write call: a line every rank prints must be one write, or the
+    ranks' lines interleave under torchrun's unbuffered `python -u`."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return super().write(text)
 
 
 def descendants(pid: int) -> list[int]:

@@ -4,8 +4,9 @@
 
 Each proof uses the project's own loop for the distributed side and, as the reference, one
 plain process written here by hand. Both see the task only through its seam (task.py), so
-the proofs hold for whatever model, data and loss the project trains. Rank 0 writes
-OUT_DIR/proofs-<world size>.json; test_distributed.py asserts on it, one test per practice.
+the proofs hold for whatever model, data and loss the project trains. Rank 0 prints a
+PASS/FAIL line per proof (exit code 1 if one fails) and writes OUT_DIR/proofs-<world size>.json,
+on which test_distributed.py asserts, one test per practice.
 """
 
 from __future__ import annotations
@@ -13,17 +14,28 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import checkpoint, config, dist, loaders, task, train
+from {{ cookiecutter.package_name }} import checkpoint, checks, config, dist, loaders, task, train
+from {{ cookiecutter.package_name }}.checks import FAIL, PASS
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.smoke import CommCounter, counting_allreduce_hook
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+# of the step's largest gradient: float32 rounding, as the ranks add in another order than one process
+GRADIENT_TOLERANCE = 1e-5
+WEIGHTING_TOLERANCE = 1e-6
+# What makes the loop's gradient differ from one process's on the same samples and weights
+DRIFT = (
+    "the all-reduced gradient differs from one process's on the union of the batches: check that "
+    "task.loss_sum returns a SUM (not a mean) and count_terms counts its terms; randomness in the forward "
+    "pass (dropout) draws other masks on each side: run the proofs with it off, e.g. model.dropout=0"
+)
 EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
 
 
@@ -197,7 +209,36 @@ def prove_eval_counts(overrides: list[str], info: DistInfo) -> dict:
     return train.evaluate(model, eval_loader, cfg, info) | {"dataset_size": len(eval_set)}
 
 
-def main() -> None:
+def verdicts(results: dict) -> list[checks.Row]:
+    """One row per proof that `results` holds, judged as test_distributed.py judges it."""
+    evaluation = results["eval"]
+    counted = f"{evaluation['eval_samples']} samples of {evaluation['dataset_size']}"
+    rows = [(PASS if evaluation["eval_samples"] == evaluation["dataset_size"] else FAIL, "eval counts", counted)]
+    if "equivalence" not in results:
+        return rows
+    for name, what in (("equivalence", "DDP == 1 process"), ("accumulation", "no_sync == big batch")):
+        error = results[name]["gradient_error"]
+        detail = f"gradient differs by {error:.1e} of the largest ({results[name]['steps']} steps)"
+        rows.append((PASS, what, detail) if error < GRADIENT_TOLERANCE else (FAIL, what, f"{detail}; {DRIFT}"))
+    syncs = len(results["accumulation"]["buckets_per_sync"])
+    steps = results["accumulation"]["steps"]
+    rows.append((PASS if syncs == steps else FAIL, "1 all-reduce per step", f"{syncs} for {steps} optimizer steps"))
+    weighting = results["weighting"]
+    fair = weighting["max_difference"] < WEIGHTING_TOLERANCE
+    detail = f"terms {weighting['terms']}: gradient differs by {weighting['max_difference']:.1e}"
+    rows.append((PASS if fair else FAIL, "global loss weighting", detail))
+    same = len(set(results["initial_weights"]["checksums"])) == 1
+    rows.append((PASS if same else FAIL, "same initial weights", "on every rank" if same else "ranks differ"))
+    stopped = all("loader length differs" in message for message in results["unequal_lengths"]["messages"])
+    outcome = "every rank raises" if stopped else "a rank ran on"
+    rows.append((PASS if stopped else FAIL, "unequal loaders stop", outcome))
+    wrapping = results["wrapping"]
+    wrapped = wrapping["is_ddp"] and wrapping["eval_model_is_unwrapped"]
+    rows.append((PASS if wrapped else FAIL, "DDP wrapping", "train in DDP, evaluate unwrapped"))
+    return rows
+
+
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--only", choices=["eval"], default=None)
@@ -215,11 +256,14 @@ def main() -> None:
             "unequal_lengths": prove_unequal_lengths_fail_on_every_rank(info),
             "wrapping": prove_wrapping(args.overrides, info),
         }
+    rows = verdicts(results)
     if info.is_main:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"proofs-{info.world_size}.json").write_text(json.dumps(results))
+        print(checks.table(f"proofs on {info.world_size} ranks", rows), flush=True)
     dist.teardown(info)
+    return checks.exit_code(rows)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,7 @@ import socket
 import sys
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, project_env, run, train_args
+from conftest import PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.config import ConfigError
@@ -101,6 +101,15 @@ def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path):
     result = run(["python", *train_args(tmp_path, "train.precision=fp8")], check=False)
     assert result.returncode == 2
     assert "config error: train.precision: 'fp8' is not one of bf16, fp16, fp32" in result.stderr
+
+
+def test_a_config_error_is_one_write_so_the_ranks_lines_never_run_together(monkeypatch):
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with pytest.raises(SystemExit) as exited, config.exit_on_user_error():
+        raise ConfigError("dataset.root: /x is missing\nmodel.arch: 'resnt' is unknown")
+    assert exited.value.code == 2
+    assert stderr.calls == ["config error: dataset.root: /x is missing\nconfig error: model.arch: 'resnt' is unknown\n"]
 
 
 def test_every_rank_fails_on_a_bad_override_before_any_collective(tmp_path):

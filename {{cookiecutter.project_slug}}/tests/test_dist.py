@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import PROJECT, project_env, run, torchrun, train_args
+from conftest import PROJECT, Writes, project_env, run, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import checkpoint, dist, launch
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -248,6 +248,26 @@ def test_a_config_error_in_local_rank_0s_build_is_raised_on_every_rank(monkeypat
     with pytest.raises(ConfigError, match="is not a folder"):
         dist.local_main_first(two_rank_node(monkeypatch, 1, [problem, None], calls), lambda: calls.append("build"))
     assert calls == [("gather", None)]  # never built
+
+
+def test_another_error_in_local_rank_0s_build_stops_the_others_with_one_line_naming_it(monkeypatch):
+    def fails():
+        raise FileExistsError("[Errno 17] File exists: '/data/cache'")
+
+    calls = []
+    with pytest.raises(FileExistsError):  # its own exception, traceback and all, where it happened
+        dist.local_main_first(two_rank_node(monkeypatch, 0, [None, None], calls), fails)
+    assert calls == [("gather", "FileExistsError: [Errno 17] File exists: '/data/cache'")]
+    summary = "FileExistsError: [Errno 17] File exists: '/data/cache'"
+    with pytest.raises(RuntimeError, match=r"local rank 0 could not build the model and datasets: FileExistsError"):
+        dist.local_main_first(two_rank_node(monkeypatch, 1, [summary, None], []), pytest.fail)
+
+
+def test_a_failure_report_is_one_write_so_the_ranks_lines_never_run_together(monkeypatch):
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    dist.report_failure(DistInfo(1, 1, 2, 2, torch.device("cpu"), "gloo"), ValueError("bad sample 12"))
+    assert stderr.calls == ["[rank 1/2] ValueError: bad sample 12\n"]
 
 
 def test_a_world_of_one_builds_without_a_collective(monkeypatch):

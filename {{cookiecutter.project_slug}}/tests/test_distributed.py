@@ -3,6 +3,7 @@
 One torchrun launch runs every proof (tests/dist_proofs.py); each test checks one practice.
 """
 
+import copy
 import json
 import sys
 
@@ -11,35 +12,54 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, TINY, run, torchrun
 
-from {{ cookiecutter.package_name }} import config, loaders, task
+from {{ cookiecutter.package_name }} import checks, config, loaders, task
+from {{ cookiecutter.package_name }}.checks import FAIL
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-# What makes the loop's gradient differ from one process's on the same samples and weights
-DRIFT = (
-    "the all-reduced gradient differs from one process's on the union of the batches: check that "
-    "task.loss_sum returns a SUM (not a mean) and count_terms counts its terms; randomness in the forward "
-    "pass (dropout) draws other masks on each side: run the proofs with it off"
-)
+DRIFT, GRADIENT_TOLERANCE = dist_proofs.DRIFT, dist_proofs.GRADIENT_TOLERANCE
 
 
 @pytest.fixture(scope="module")
-def proofs(tmp_path_factory):
+def proofs_launch(tmp_path_factory):
+    """The proofs' one launch; a failing proof exits 1, and the tests below say which one failed."""
     out = tmp_path_factory.mktemp("proofs")
-    torchrun(PROOFS, str(out), *TINY, nproc=2, timeout=180)
+    return torchrun(PROOFS, str(out), *TINY, nproc=2, timeout=180, check=False), out
+
+
+@pytest.fixture(scope="module")
+def proofs(proofs_launch):
+    result, out = proofs_launch
+    assert (out / "proofs-2.json").exists(), result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads((out / "proofs-2.json").read_text())
+
+
+def test_the_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(proofs_launch):
+    result, _ = proofs_launch
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "proofs on 2 ranks: PASS (0 failed, 0 warnings)" in result.stdout
+    assert sum(line.startswith("PASS") for line in result.stdout.splitlines()) == 8
+
+
+def test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_causes(proofs):
+    drifted = copy.deepcopy(proofs)
+    drifted["equivalence"]["gradient_error"] = 0.47  # what dropout on gave in a user's swap
+    rows = dist_proofs.verdicts(drifted)
+    assert [verdict for verdict, _, _ in rows].count(FAIL) == 1 and checks.exit_code(rows) == 1
+    failed = next(detail for verdict, _, detail in rows if verdict == FAIL)
+    assert "4.7e-01" in failed and "SUM" in failed and "dropout" in failed
 
 
 def test_ddp_on_two_ranks_equals_one_process_on_the_global_batch(proofs):
     result = proofs["equivalence"]
     assert result["steps"] == 6
-    assert result["gradient_error"] < 1e-5, DRIFT  # float32 rounding: ranks add in another order
+    assert result["gradient_error"] < GRADIENT_TOLERANCE, DRIFT  # float32 rounding: ranks add in another order
 
 
 def test_accumulation_with_no_sync_equals_one_big_batch(proofs):
     result = proofs["accumulation"]
     assert result["steps"] == 4
-    assert result["gradient_error"] < 1e-5, DRIFT
+    assert result["gradient_error"] < GRADIENT_TOLERANCE, DRIFT
 
 
 def test_accumulation_communicates_only_on_the_last_micro_batch(proofs):
@@ -55,7 +75,7 @@ def test_accumulation_communicates_only_on_the_last_micro_batch(proofs):
 def test_unequal_loss_terms_are_weighted_by_the_global_count(proofs):
     result = proofs["weighting"]
     assert result["terms"][0] != result["terms"][1]
-    assert result["max_difference"] < 1e-6
+    assert result["max_difference"] < dist_proofs.WEIGHTING_TOLERANCE
     assert result["mean_of_means_difference"] > 1e-4  # the naive rule would not pass this proof
 
 

@@ -50,7 +50,8 @@ def test_two_process_run_trains_and_reports(tmp_path):
     ):
         assert line in out
     assert out.count("world size") == 1  # printed by rank 0 only
-    assert "note: train.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out
+    unused = "note: train.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out
+    assert unused == train.has_batchnorm(build_model(smoke))  # nothing to say about a model without BatchNorm
     precision_note = hardware.precision_note(smoke.train.precision, torch.device("cpu"))
     assert precision_note is None or precision_note in out
     losses = train_losses(tmp_path / "e2e")
@@ -194,3 +195,10 @@ def test_optimizer_step_frees_the_gradients():
     task.loss_sum(job.model, next(iter(job.train_loader))).backward()
     train.optimizer_step(job.state, cfg)
     assert all(p.grad is None for p in job.state.model.parameters())  # set_to_none=True
+
+
+@pytest.mark.parametrize("norm, noted", [(torch.nn.BatchNorm1d(4), True), (torch.nn.LayerNorm(4), False)])
+def test_the_unused_sync_batchnorm_note_is_only_for_models_with_batchnorm(capsys, norm, noted):
+    cfg = config.load(SMOKE_CONFIG, ["train.sync_batchnorm=true"])
+    train.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), norm), cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
+    assert ("train.sync_batchnorm is on but unused" in capsys.readouterr().out) is noted

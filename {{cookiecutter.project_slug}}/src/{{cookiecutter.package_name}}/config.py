@@ -39,7 +39,10 @@ def exit_on_user_error():
     try:
         yield
     except ConfigError as err:
-        print("\n".join(f"{err.prefix}: {line}" for line in str(err).splitlines()), file=sys.stderr, flush=True)
+        # one write with its newline: under torchrun (`python -u`) print writes the newline
+        # separately, and the ranks' lines interleave
+        sys.stderr.write("".join(f"{err.prefix}: {line}\n" for line in str(err).splitlines()))
+        sys.stderr.flush()
         raise SystemExit(2) from None
 
 

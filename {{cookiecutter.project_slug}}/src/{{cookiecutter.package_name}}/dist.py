@@ -260,20 +260,34 @@ def local_main_first(info: DistInfo, build: Callable[[], Built]) -> Built:
     node instead of by every rank at the same moment, and the other ranks read it from the cache.
 
     The waiting ranks wait in a collective, so a build longer than dist.timeout_minutes times
-    out. A config error in a local rank 0's build is raised on every rank.
+    out. If a local rank 0's build fails, every rank stops at once: a config error is raised on
+    every rank; another exception on that rank, with its traceback, and a one-line error naming
+    it on the others (instead of a lost connection in the collective).
     """
     if not info.distributed or info.local_world_size == 1:
         return build()
-    built, problem = None, None
+    built, failure = None, None
     if info.local_rank == 0:
         try:
             built = build()
-        except ConfigError as err:
-            problem = err
-    problems = [error for error in all_gather_objects(problem) if error is not None]
-    if problems:
+        except Exception as err:  # shared below, then raised: no rank is left waiting
+            failure = err
+    problems = [problem for problem in all_gather_objects(shareable(failure)) if problem is not None]
+    if failure is not None:
+        raise failure
+    if problems and isinstance(problems[0], ConfigError):
         raise problems[0]
+    if problems:
+        raise RuntimeError(f"a node's local rank 0 could not build the model and datasets: {problems[0]}")
     return built if info.local_rank == 0 else build()
+
+
+def shareable(error: Exception | None) -> ConfigError | str | None:
+    """`error` as another rank can receive it: a ConfigError as it is (it pickles), any other
+    exception as its one-line summary."""
+    if error is None or isinstance(error, ConfigError):
+        return error
+    return f"{type(error).__name__}: {error}"
 
 
 def barrier() -> None:
@@ -289,4 +303,6 @@ def print0(info: DistInfo, *args, **kwargs) -> None:
 
 def report_failure(info: DistInfo, error: BaseException) -> None:
     """Any rank's exception reaches the user, with the rank that raised it."""
-    print(f"[rank {info.rank}/{info.world_size}] {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    # one write with its newline, as in config.exit_on_user_error: the ranks' lines do not interleave
+    sys.stderr.write(f"[rank {info.rank}/{info.world_size}] {type(error).__name__}: {error}\n")
+    sys.stderr.flush()

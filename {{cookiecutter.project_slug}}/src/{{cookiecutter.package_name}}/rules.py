@@ -1,7 +1,7 @@
 """Value rules for config fields, declared on the field itself:
 
     batch_size: PositiveInt = 32  # per device
-    dropout: Annotated[float, Rule(lambda v: 0 <= v < 1, "use a probability in [0, 1)")] = 0.1  # ...
+    dropout: Annotated[float, Rule(lambda v: 0 <= v < 1, "use a probability in [0, 1)")] = 0.0  # ...
 
 `config.load()` checks every rule and names the key and the fix when one fails, so a new
 setting is one line in its dataclass: type, rule, default and comment together. A check that

@@ -190,6 +190,10 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> 
     return outcome
 
 
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+
+
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
     """SyncBN -> device -> compile -> DDP, in that order. Returns (train, eval) modules.
 
@@ -198,7 +202,7 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
     """
     if cfg.train.sync_batchnorm and info.device.type == "cuda" and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, or DDP syncs stale modules
-    elif cfg.train.sync_batchnorm:
+    elif cfg.train.sync_batchnorm and has_batchnorm(model):
         why = "a world of one has nothing to sync" if not info.distributed else "SyncBatchNorm needs CUDA"
         dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
     model.to(info.device)
