@@ -1,5 +1,6 @@
 """End-to-end training runs: the launch users run, each precision, compile, NaN handling."""
 
+import signal
 import sys
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import checkpoint, config, hardware, task, train
+from {{ cookiecutter.package_name }} import checkpoint, config, hardware, launch, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.task import build_model
 
@@ -202,3 +203,20 @@ def test_the_unused_sync_batchnorm_note_is_only_for_models_with_batchnorm(capsys
     cfg = config.load(SMOKE_CONFIG, ["train.sync_batchnorm=true"])
     train.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), norm), cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
     assert ("train.sync_batchnorm is on but unused" in capsys.readouterr().out) is noted
+
+
+@pytest.mark.usefixtures("torch_globals")
+def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_path, capsys):
+    args = ["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "train.max_steps=4", "run.tensorboard=false"]
+    previous = signal.getsignal(launch.WORKER_STOP_SIGNAL)  # train.main traps it
+    try:
+        assert train.main(args) == 0
+        files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+        capsys.readouterr()
+        assert train.main(args) == 0
+    finally:
+        signal.signal(launch.WORKER_STOP_SIGNAL, previous)
+    out = capsys.readouterr().out
+    assert f"nothing to train: {tmp_path / 'smoke'} is at step 4, and train.epochs / train.max_steps plan 4" in out
+    assert "run.name=NEW" in out and "done:" not in out
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files

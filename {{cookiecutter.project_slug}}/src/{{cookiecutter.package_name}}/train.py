@@ -113,6 +113,9 @@ def run(cfg: Config, info: DistInfo) -> int:
     if problem:
         raise ConfigError(problem)
     resumed = checkpoint.resume(job.state, cfg.run_dir, cfg.checkpoint.resume, info, config.to_dict(cfg))
+    if resumed and job.state.step >= job.total_steps:  # its files stay as the finished run left them
+        dist.print0(info, nothing_to_train(cfg, job.state.step, job.total_steps))
+        return 0
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")
@@ -125,6 +128,14 @@ def run(cfg: Config, info: DistInfo) -> int:
         return dist.report_preemption(launch.PREEMPTED_EXIT_CODE)
     dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
     return 0
+
+
+def nothing_to_train(cfg: Config, step: int, total_steps: int) -> str:
+    return (
+        f"nothing to train: {cfg.run_dir} is at step {step}, and train.epochs / train.max_steps plan "
+        f"{total_steps}; raise one of them to train on, or pass run.name=NEW for a new run "
+        f"(results so far: {cfg.run_dir / 'metrics.jsonl'})"
+    )
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
