@@ -136,7 +136,7 @@ def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
         assert rows[check][0] == "PASS", (check, rows[check])
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
     assert rows["SyncBatchNorm"][0] == "SKIP" and "needs CUDA" in rows["SyncBatchNorm"][1]
-    assert rows["throughput"][0] == "INFO"
+    assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
 
 
 @pytest.mark.slow

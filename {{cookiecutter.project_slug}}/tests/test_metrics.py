@@ -71,6 +71,17 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     assert board.records[-1] == "closed"
 
 
+@pytest.mark.parametrize(
+    ("first_step", "timed"), [(0, "done: 5 steps in "), (3, "done: 5 steps, 2 of them in this attempt's ")]
+)
+def test_the_summary_times_the_steps_this_attempt_ran(tmp_path, first_step, timed):
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=5, first_step=first_step)
+    assert log.summary(5, ("accuracy", "max"), tmp_path).startswith(timed)
+    written = json.loads((tmp_path / "metrics.jsonl").read_text())["summary"]
+    assert (written["steps"], written["attempt_steps"]) == (5, 5 - first_step)
+
+
 def test_throughput_and_mfu_count_every_rank_and_accumulated_sample():
     info = DistInfo(0, 0, 2, 2, torch.device("cpu"), "none")
     log = TrainingLog(

@@ -220,3 +220,9 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
     assert f"nothing to train: {tmp_path / 'smoke'} is at step 4, and train.epochs / train.max_steps plan 4" in out
     assert "run.name=NEW" in out and "done:" not in out
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files
+
+
+def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
+    capped = config.load(SMOKE_CONFIG, ["train.epochs=1", "train.max_steps=300"])
+    assert train.planned_steps(capped, 217) == "217 steps (train.epochs=1 ends before train.max_steps=300)"
+    assert train.planned_steps(config.load(SMOKE_CONFIG, ["train.max_steps=60"]), 60) == "60 steps"

@@ -171,7 +171,8 @@ def newest_loadable(run_dir: Path) -> tuple[Path | None, dict | None]:
         try:
             return path, load_file(path)
         except ValueError as err:
-            warnings.warn(f"skipping {err}", stacklevel=2)
+            cause = f"{type(err.__cause__).__name__}: {err.__cause__}"
+            warnings.warn(f"skipping {path}, which is unreadable ({cause}); trying the one before it", stacklevel=2)
     return None, None
 
 

@@ -209,8 +209,10 @@ class TrainingLog:
         """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
         Also appended to metrics.jsonl as {"summary": {...}}."""
         wall = time.perf_counter() - self.run_start
-        summary = {"steps": steps, "wall_s": wall, **self.speed(self.run_samples / wall)}
-        line = f"done: {steps} steps in {wall:.1f} s ({self.speed_text(summary, ', ')})"
+        ran = steps - self.first_step  # a resumed attempt's wall time and speed are its own steps'
+        summary = {"steps": steps, "attempt_steps": ran, "wall_s": wall, **self.speed(self.run_samples / wall)}
+        timed = f" in {wall:.1f} s" if ran == steps else f", {ran} of them in this attempt's {wall:.1f} s"
+        line = f"done: {steps} steps{timed} ({self.speed_text(summary, ', ')})"
         name, goal = main_metric
         key = f"eval_{name}"
         scored = [e for e in self.evaluations if key in e]

@@ -154,7 +154,8 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     results["checkpoint round trip"] = _checkpoint_round_trip(job, cfg, info)
     results["eval counts every sample once"] = _eval_count(job, cfg, info)
     samples = job.state.step * job.global_batch
-    results["throughput"] = (INFO, f"{log.speed_text(log.speed(samples / elapsed))} over {job.state.step} steps")
+    speed = log.speed_text(log.speed(samples / elapsed))
+    results["throughput"] = (INFO, f"{speed} over {job.state.step} steps, evaluation and checkpoints included")
     results["peak memory per device"] = (INFO, _peak_memory(info))
     # checks gather what they need from every rank; rank 0's verdicts decide everyone's exit code
     return dist.broadcast_object([(verdict, name, detail) for name, (verdict, detail) in results.items()])

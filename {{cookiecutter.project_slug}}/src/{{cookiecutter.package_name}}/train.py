@@ -347,6 +347,14 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
     return results | {"eval_samples": int(reduced["samples"])}
 
 
+def planned_steps(cfg: Config, total_steps: int) -> str:
+    """The run's length, naming the setting that ends it when train.max_steps is never reached."""
+    epochs, max_steps = cfg.train.epochs, cfg.train.max_steps
+    if max_steps and total_steps < max_steps:
+        return f"{total_steps} steps (train.epochs={epochs} ends before train.max_steps={max_steps})"
+    return f"{total_steps} steps"
+
+
 def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
     params = sum(p.numel() for p in job.state.model.parameters())
     # params + grads + AdamW's two moments, in fp32; AMP adds low-precision weight copies,
@@ -359,7 +367,7 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
         f"lr {job.lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
-        f"{cfg.train.reference_batch_size}), warmup {job.warmup:.1%} of {job.total_steps} steps\n"
+        f"{cfg.train.reference_batch_size}), warmup {job.warmup:.1%} of {planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, loader workers per rank {job.workers}\n"
         f"parameters {params:,}; static memory per device ~{params * per_param / 2**20:.1f} MiB\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
