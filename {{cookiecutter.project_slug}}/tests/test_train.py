@@ -207,13 +207,17 @@ def test_the_unused_sync_batchnorm_note_is_only_for_models_with_batchnorm(capsys
 
 @pytest.mark.usefixtures("torch_globals")
 def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_path, capsys):
-    args = ["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "train.max_steps=4", "run.tensorboard=false"]
-    previous = signal.getsignal(launch.WORKER_STOP_SIGNAL)  # train.main traps it
+    overrides = [f"run.out_dir={tmp_path}", "train.max_steps=4", "run.tensorboard=false"]
+    cfg = config.load(SMOKE_CONFIG, overrides)
+    world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    job = train.build(cfg, world_of_one)
+    job.state.step = 4
+    train.save_checkpoint(job.state, cfg, world_of_one)  # the last checkpoint of a finished run
+    files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    previous = signal.getsignal(launch.WORKER_STOP_SIGNAL)  # in case train.main traps it
     try:
-        assert train.main(args) == 0
-        files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
-        capsys.readouterr()
-        assert train.main(args) == 0
+        assert train.main(["--config", SMOKE_CONFIG, *overrides]) == 0
     finally:
         signal.signal(launch.WORKER_STOP_SIGNAL, previous)
     out = capsys.readouterr().out
