@@ -194,7 +194,6 @@ import sys
 from pathlib import Path
 from {{ cookiecutter.package_name }} import dist
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
 
 info = DistInfo.from_env()
 dist.init(info, timeout_minutes=1)
