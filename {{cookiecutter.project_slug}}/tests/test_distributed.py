@@ -49,6 +49,14 @@ def test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_
     assert "4.7e-01" in failed and "SUM" in failed and "dropout" in failed
 
 
+def test_a_proof_that_ran_no_step_fails_instead_of_passing_on_nothing(proofs):
+    starved = copy.deepcopy(proofs)  # a training set smaller than one accumulated step per rank
+    starved["accumulation"] |= {"steps": 0, "gradient_error": 0.0, "buckets_per_sync": []}
+    failed = {what: detail for verdict, what, detail in dist_proofs.verdicts(starved) if verdict == FAIL}
+    assert set(failed) == {"no_sync == big batch", "1 all-reduce per step"}
+    assert "pass a smaller data.batch_size" in failed["no_sync == big batch"]
+
+
 def test_ddp_on_two_ranks_equals_one_process_on_the_global_batch(proofs):
     result = proofs["equivalence"]
     assert result["steps"] == 6
