@@ -273,6 +273,8 @@ def local_main_first(info: DistInfo, build: Callable[[], Built]) -> Built:
         except Exception as err:  # shared below, then raised: no rank is left waiting
             failure = err
     problems = [problem for problem in all_gather_objects(shareable(failure)) if problem is not None]
+    if problems:  # every rank stops here: leave the group together, not each tearing gloo down under the others
+        teardown(info)
     if failure is not None:
         raise failure
     if problems and isinstance(problems[0], ConfigError):
