@@ -15,6 +15,7 @@ import argparse
 import copy
 import json
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -252,8 +253,22 @@ def main() -> int:
     parser.add_argument("--only", choices=["eval"], default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     info = DistInfo.from_env()
-    dist.init(info, timeout_minutes=1)
+    threads = threads_not_from_python()
+    code = dist.run_in_group(info, 1, lambda: prove(args, info))
+    # the teardown proof, per rank: the process group's threads are joined before Python shuts down
+    record = {"before_init": threads, "after_teardown": threads_not_from_python()}
+    (args.out / f"threads-rank{info.rank}.json").write_text(json.dumps(record))
+    return code
+
+
+def threads_not_from_python() -> int:
+    """This process's threads that Python's threading module did not start (gloo's, for one)."""
+    return len(list(Path("/proc/self/task").iterdir())) - threading.active_count()
+
+
+def prove(args: argparse.Namespace, info: DistInfo) -> int:
     results = {"world_size": info.world_size, "eval": prove_eval_counts(args.overrides, info)}
     if args.only is None:
         results |= {
@@ -266,10 +281,8 @@ def main() -> int:
         }
     rows = verdicts(results)
     if info.is_main:
-        args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"proofs-{info.world_size}.json").write_text(json.dumps(results))
         print(checks.table(f"proofs on {info.world_size} ranks", rows), flush=True)
-    dist.teardown(info)
     return checks.exit_code(rows)
 
 

@@ -40,6 +40,14 @@ def test_the_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(proofs_la
     assert sum(line.startswith("PASS") for line in result.stdout.splitlines()) == 8
 
 
+def test_every_rank_leaves_no_thread_of_the_process_group_behind_at_exit(proofs_launch):
+    # a gloo thread alive at interpreter shutdown can abort a finished run (dist.run_in_group)
+    _, out = proofs_launch
+    for rank in range(2):
+        threads = json.loads((out / f"threads-rank{rank}.json").read_text())
+        assert threads["after_teardown"] == threads["before_init"], f"rank {rank}: {threads}"
+
+
 def test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_causes(proofs):
     drifted = copy.deepcopy(proofs)
     drifted["equivalence"]["gradient_error"] = 0.47  # what dropout on gave in a user's swap

@@ -41,7 +41,7 @@ def exit_on_user_error():
     except ConfigError as err:
         # one write with its newline: under torchrun (`python -u`) print writes the newline
         # separately, and the ranks' lines interleave
-        sys.stderr.write("".join(f"{err.prefix}: {line}\n" for line in str(err).splitlines()))
+        sys.stderr.write(err.lines())
         sys.stderr.flush()
         raise SystemExit(2) from None
 

@@ -8,11 +8,13 @@ below is a no-op, so the rest of the code has a single path.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import secrets
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +90,52 @@ def bind_device(info: DistInfo) -> None:
         torch.cuda.set_device(info.device)
 
 
+def run_in_group(info: DistInfo, timeout_minutes: float, work: Callable[[], int]) -> int:
+    """Join the process group, run `work()`, leave the group; returns the exit code.
+
+    Every way out ends the same way: `work()`'s code; 2 after the one-line message of a
+    ConfigError; 1 after the traceback of any other exception. The exception is handled here,
+    so the failed run's frames, and the DDP model in them that holds the process group, are gone
+    before `teardown` frees the group. A group still alive when Python shuts down aborts the
+    process (SIGABRT, exit 1 after a finished run): a gloo worker thread that drops the last
+    reference to a finished collective's tensors needs the interpreter lock, which a thread
+    cannot take once Python is finalizing, and the thread's forced exit inside a C++ destructor
+    calls std::terminate.
+    """
+    init(info, timeout_minutes)
+    code, returned = exit_code(info, work)
+    teardown(info, orderly=returned)  # after an exception a peer may be elsewhere: no barrier then
+    return code
+
+
+def exit_code(info: DistInfo, work: Callable[[], int]) -> tuple[int, bool]:
+    """(the exit code, whether `work()` returned instead of raising)."""
+    try:
+        return work(), True
+    except ConfigError as err:
+        # one write with its newline: under torchrun (`python -u`) print writes the newline
+        # separately, and the ranks' lines interleave
+        sys.stderr.write(err.lines())
+        sys.stderr.flush()
+        return 2, False
+    except SystemExit as stop:
+        return (stop.code if isinstance(stop.code, int) else 1), False
+    except BaseException as err:  # KeyboardInterrupt too: the group must still go before exit
+        report_failure(info, err)
+        traceback.print_exc()
+        return (130 if isinstance(err, KeyboardInterrupt) else 1), False
+
+
 def init(info: DistInfo, timeout_minutes: float) -> None:
     """Bind this process to its own device, then join the process group."""
     bind_device(info)  # first: the process group then knows its device instead of guessing one
     forget_earlier_preemption()
     if info.distributed:
+        # torch._dynamo, on import, keeps references to the torch.distributed objects of that
+        # moment; imported after the group exists (DDP imports it), it would keep the group and its
+        # gloo threads alive past teardown, into interpreter shutdown (see run_in_group)
+        import torch._dynamo  # noqa: F401
+
         timeout = datetime.timedelta(minutes=timeout_minutes)
         store, _, _ = next(torch_dist.rendezvous("env://", timeout=timeout))
         prefix = store_prefix(info)
@@ -121,11 +164,17 @@ def store_prefix(info: DistInfo) -> str:
     return f"attempt{info.restart}/"
 
 
-def teardown(info: DistInfo) -> None:
+def teardown(info: DistInfo, orderly: bool = True) -> None:
+    """Leave the process group and free it, joining its threads while Python still runs.
+
+    `orderly`: every rank got here the same way, so they wait for each other first (a fast rank
+    would otherwise tear gloo down under a slow one); after a failure a peer may never arrive.
+    """
     if info.distributed and torch_dist.is_initialized():
-        # without this barrier a fast rank can tear gloo down under a slow one
-        torch_dist.barrier()
+        if orderly:
+            torch_dist.barrier()
         torch_dist.destroy_process_group()
+        gc.collect()  # module graphs hold cycles: the last reference to the group goes now, not at exit
 
 
 def seed_everything(seed: int) -> None:

@@ -21,6 +21,10 @@ class ConfigError(ValueError):
 
     prefix = "config error"
 
+    def lines(self) -> str:
+        """The message as the user sees it: one prefixed line per problem, ending in a newline."""
+        return "".join(f"{self.prefix}: {line}\n" for line in str(self).splitlines())
+
 
 @dataclass(frozen=True)
 class Rule:

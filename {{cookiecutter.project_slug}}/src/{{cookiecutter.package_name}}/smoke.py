@@ -209,14 +209,15 @@ def main(argv=None) -> int:
     with config.exit_on_user_error():
         cfg = config.load(args.config, ["run.name=smoke-check", "checkpoint.resume=never", *args.overrides])
         train.check_hardware(cfg, info)
-    dist.init(info, cfg.dist.timeout_minutes)
-    with train.failures_reported(info), config.exit_on_user_error():
-        if info.is_main:
-            shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a clean run directory every time
-        dist.barrier()
-        results = run_checks(cfg, info)
+    return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
+
+
+def smoke(cfg: config.Config, info: DistInfo) -> int:
+    if info.is_main:
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a clean run directory every time
+    dist.barrier()
+    results = run_checks(cfg, info)
     dist.print0(info, checks.table("smoke", results))
-    dist.teardown(info)
     return checks.exit_code(results)
 
 

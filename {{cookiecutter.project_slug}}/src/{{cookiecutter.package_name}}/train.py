@@ -15,7 +15,7 @@ import argparse
 import enum
 import math
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -54,23 +54,7 @@ def main(argv=None) -> int:
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
         tensorboard.check(cfg.run.tensorboard)
-    dist.init(info, cfg.dist.timeout_minutes)
-    with failures_reported(info), config.exit_on_user_error():
-        code = run(cfg, info)
-    dist.teardown(info)
-    return code
-
-
-@contextmanager
-def failures_reported(info: DistInfo):
-    """Any rank's exception reaches the user with the rank that raised it."""
-    try:
-        yield
-    except SystemExit:
-        raise
-    except BaseException as err:
-        dist.report_failure(info, err)
-        raise
+    return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: run(cfg, info))
 
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:
