@@ -39,6 +39,7 @@ COMMON_FILES = {
     "tests/test_data.py",
     "tests/test_dist.py",
     "tests/test_distributed.py",
+    "tests/test_exits.py",
     "tests/test_export.py",
     "tests/test_gpu_paths.py",
     "tests/test_hardware.py",
