@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import checkpoint, checks, config, dist, loaders, task, train
+from {{ cookiecutter.package_name }} import checks, config, dist, loaders, preemption, task, train
 from {{ cookiecutter.package_name }}.checks import FAIL, PASS
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.smoke import CommCounter, counting_allreduce_hook
@@ -137,8 +137,8 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
     job = train.build(cfg, info)
     counter, recorded = CommCounter(), []
     job.model.register_comm_hook(counter, counting_allreduce_hook)
-    with steps_recorded(recorded):
-        train.fit(job, cfg, info, train.training_log(job, cfg, info), checkpoint.PreemptionFlag(signals=()))
+    with steps_recorded(recorded), train.training_log(job, cfg, info) as log:
+        train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
     return {
         "gradient_error": reference_gradient_error(cfg, info.world_size, recorded),
         "steps": job.state.step,

@@ -6,7 +6,7 @@ import pytest
 from conftest import PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
 from {{ cookiecutter.package_name }} import config
-from {{ cookiecutter.package_name }}.config import ConfigError
+from {{ cookiecutter.package_name }}.rules import ConfigError
 
 DEFAULT_CONFIG = PROJECT / "configs" / "default.yaml"
 

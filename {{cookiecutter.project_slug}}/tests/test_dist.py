@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PROJECT, Writes, project_env, run, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import checkpoint, dist, launch
+from {{ cookiecutter.package_name }} import dist, launch, preemption
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
@@ -140,16 +140,16 @@ def test_cpus_are_capped_by_slurms_allocation_where_slurm_does_not_bind(monkeypa
 
 def test_preemption_is_reported_to_the_launcher_with_exit_0(monkeypatch, tmp_path):
     ignored = []
-    monkeypatch.setattr(dist.signal, "signal", lambda sig, handler: ignored.append((sig, handler)))
+    monkeypatch.setattr(preemption.signal, "signal", lambda sig, handler: ignored.append((sig, handler)))
     marker = tmp_path / "preempted"
-    monkeypatch.setenv(launch.MARKER_ENV, str(marker))
+    monkeypatch.setenv(preemption.MARKER_ENV, str(marker))
     # exit 0: torchrun restarts workers that exit non-zero, and on several nodes the restarted
     # ones wait for a rendezvous the stopped nodes never join; the launcher exits 75 instead
-    assert dist.report_preemption(launch.PREEMPTED_EXIT_CODE) == 0 and marker.exists()
-    monkeypatch.delenv(launch.MARKER_ENV)
-    assert dist.report_preemption(launch.PREEMPTED_EXIT_CODE) == launch.PREEMPTED_EXIT_CODE
+    assert preemption.report_preemption() == 0 and marker.exists()
+    monkeypatch.delenv(preemption.MARKER_ENV)
+    assert preemption.report_preemption() == preemption.PREEMPTED_EXIT_CODE
     # from then on a late stop signal cannot kill the rank while Python drops its handlers at exit
-    assert ignored[-1] == (launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
+    assert ignored[-1] == (preemption.WORKER_STOP_SIGNAL, signal.SIG_IGN)
 
 
 def test_a_new_attempt_forgets_a_preemption_the_previous_one_reported(monkeypatch, tmp_path):
@@ -157,7 +157,7 @@ def test_a_new_attempt_forgets_a_preemption_the_previous_one_reported(monkeypatc
     # report a preemption, but the restarted attempt finishing must end the launcher with 0
     marker = tmp_path / "preempted"
     marker.touch()
-    monkeypatch.setenv(launch.MARKER_ENV, str(marker))
+    monkeypatch.setenv(preemption.MARKER_ENV, str(marker))
     fake_init(monkeypatch, visible_gpus=0)
     dist.init(DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo"), timeout_minutes=1)
     assert not marker.exists()
@@ -165,9 +165,9 @@ def test_a_new_attempt_forgets_a_preemption_the_previous_one_reported(monkeypatc
 
 def test_launcher_and_workers_agree_on_the_preemption_contract():
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    flag = checkpoint.PreemptionFlag()  # the workers' handler covers the signal the launcher sends
+    flag = preemption.PreemptionFlag()  # the workers' handler covers the signal the launcher sends
     try:
-        assert signal.getsignal(launch.WORKER_STOP_SIGNAL) == flag._handle
+        assert signal.getsignal(preemption.WORKER_STOP_SIGNAL) == flag._handle
         assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]  # a failed peer's SIGTERM ends the rank
     finally:
         for sig, handler in previous.items():
@@ -175,12 +175,12 @@ def test_launcher_and_workers_agree_on_the_preemption_contract():
 
 
 def test_loader_workers_ignore_the_preemption_signal():
-    previous = signal.getsignal(launch.WORKER_STOP_SIGNAL)
+    previous = signal.getsignal(preemption.WORKER_STOP_SIGNAL)
     try:
-        dist.quiet_loader_worker(0)
-        assert signal.getsignal(launch.WORKER_STOP_SIGNAL) == signal.SIG_IGN
+        preemption.quiet_loader_worker(0)
+        assert signal.getsignal(preemption.WORKER_STOP_SIGNAL) == signal.SIG_IGN
     finally:
-        signal.signal(launch.WORKER_STOP_SIGNAL, previous)
+        signal.signal(preemption.WORKER_STOP_SIGNAL, previous)
 
 
 def test_shared_dir_check_is_free_on_one_node(tmp_path):

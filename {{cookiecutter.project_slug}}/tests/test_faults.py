@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_args, wait_for
 
-from {{ cookiecutter.package_name }} import checkpoint, config, launch, optim
+from {{ cookiecutter.package_name }} import checkpoint, config, optim, preemption
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.task import build_datasets, build_model
@@ -170,7 +170,7 @@ def test_sigterm_checkpoints_the_current_step_exits_75_and_the_rerun_continues(t
         stdout, stderr = job.communicate(timeout=60)
     finally:
         job.kill()
-    assert job.returncode == launch.PREEMPTED_EXIT_CODE, stderr
+    assert job.returncode == preemption.PREEMPTED_EXIT_CODE, stderr
     saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
     step = int(saved.removeprefix("step_").removesuffix(".pt"))
     assert f"preempted at step {step}: checkpoint written" in stdout
@@ -250,6 +250,23 @@ def test_corrupt_checkpoints_are_skipped_by_auto_and_rejected_by_path(tmp_path):
     assert resumed.step == 2
     with pytest.raises(ValueError, match="step_00000003.pt is unreadable .* pass another file"):
         checkpoint.resume(small_state(0), tmp_path, str(tmp_path / "checkpoints" / "step_00000003.pt"), INFO)
+
+
+def test_weights_with_nan_are_never_written_and_never_resumed_from(tmp_path):
+    checkpoint.save(small_state(1), tmp_path, {}, INFO, keep_last=5)
+    broken = small_state(2)
+    with torch.no_grad():
+        next(broken.model.parameters()).fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="not writing the checkpoint of step 2: 1 weights hold nan or inf"):
+        checkpoint.save(broken, tmp_path, {}, INFO, keep_last=5)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001.pt"
+    # one an earlier version wrote after a NaN loss: auto passes over it, a path to it is refused
+    payload = checkpoint.load_file(tmp_path / "checkpoints" / "step_00000001.pt") | broken.state_dict()
+    torch.save(payload, tmp_path / "checkpoints" / "step_00000002.pt")
+    with pytest.warns(UserWarning, match="step_00000002.pt: 1 of its weights hold nan or inf"):
+        assert checkpoint.resume(small_state(0), tmp_path, "auto", INFO).name == "step_00000001.pt"
+    with pytest.raises(config.ConfigError, match="checkpoint.resume: .*step_00000002.pt: 1 of its weights hold nan"):
+        checkpoint.resume(small_state(0), tmp_path, str(tmp_path / "checkpoints" / "step_00000002.pt"), INFO)
 
 
 def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import PROJECT, project_env
 
-from {{ cookiecutter.package_name }} import launch
+from {{ cookiecutter.package_name }} import launch, preemption
 from {{ cookiecutter.package_name }}.launch import LaunchError
 
 
@@ -89,11 +89,11 @@ TERM, INT = signal.SIGTERM, signal.SIGINT
     ],
 )
 def test_only_a_checkpointed_preemption_exits_75(status, stop, preempted, expected):
-    assert launch.exit_status(status, stop, preempted) == expected
+    assert preemption.exit_status(status, stop, preempted) == expected
 
 
 def test_a_worker_killed_by_a_signal_is_reported_like_a_shell_does():
-    assert launch.exit_status(-9, None, False) == 137
+    assert preemption.exit_status(-9, None, False) == 137
 
 
 def test_a_static_rendezvous_gets_the_default_port_unless_one_is_given():
@@ -120,8 +120,8 @@ def test_a_process_handles_a_signal_only_once_it_installed_a_handler():
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         child.stdout.readline()
-        assert launch.handles(child.pid, signal.SIGUSR1)
-        assert not launch.handles(child.pid, signal.SIGUSR2)
+        assert preemption.handles(child.pid, signal.SIGUSR1)
+        assert not preemption.handles(child.pid, signal.SIGUSR2)
     finally:
         child.kill()
         child.wait()
@@ -155,7 +155,7 @@ def test_a_stop_reaches_the_workers_and_ends_with_75_or_130_for_ctrl_c(stop):
     try:
         time.sleep(1.5)  # the worker is running
         supervisor.send_signal(stop)
-        expected = launch.INTERRUPTED_EXIT_CODE if stop == signal.SIGINT else launch.PREEMPTED_EXIT_CODE
+        expected = preemption.INTERRUPTED_EXIT_CODE if stop == signal.SIGINT else preemption.PREEMPTED_EXIT_CODE
         assert supervisor.wait(timeout=20) == expected
     finally:
         supervisor.kill()

@@ -55,8 +55,8 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
         log.record(torch.tensor(4.0), terms=2.0, samples=2)
         with log.clock.optimizer:
             time.sleep(0.01)
-    record = log.flush(step=2, epoch=0, lr=0.1, stop_requested=False)
-    assert record["loss"] == 2.0 and record["start_step"] == 0 and not record["stop"]
+    record = log.flush(step=2, epoch=0, lr=0.1)
+    assert record["loss"] == 2.0 and record["start_step"] == 0 and record["kind"] == "train"
     assert record["data_wait_ms"] == pytest.approx(20, abs=5) and record["data_wait_share"] == pytest.approx(
         1 / 3, abs=0.1
     )
@@ -66,7 +66,7 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     assert "ms/step: fwd+bwd" in capsys.readouterr().out
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert board.records == [written] and "stop" not in written
-    assert log.flush(step=4, epoch=0, lr=0.1, stop_requested=False)["fwd_bwd_ms"] == 0  # the clock restarts each window
+    assert log.flush(step=4, epoch=0, lr=0.1)["fwd_bwd_ms"] == 0  # the clock restarts each window
     log.close()
     assert board.records[-1] == "closed"
 

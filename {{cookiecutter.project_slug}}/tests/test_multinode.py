@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, train_losses, wait_for
 
-from {{ cookiecutter.package_name }} import checkpoint, launch
+from {{ cookiecutter.package_name }} import checkpoint, launch, preemption
 
 pytestmark = [
     pytest.mark.slow,
@@ -103,7 +103,7 @@ def test_a_stop_on_one_node_checkpoints_every_node_and_ends_both(tmp_path):
     finally:
         results = finish(nodes, timeout=45)
     codes = [code for code, _, _ in results]
-    assert codes == [launch.PREEMPTED_EXIT_CODE] * 2, "\n".join(err[-3000:] for _, _, err in results)
+    assert codes == [preemption.PREEMPTED_EXIT_CODE] * 2, "\n".join(err[-3000:] for _, _, err in results)
     assert time.monotonic() - stopped < 30  # the other node did not restart into a lost rendezvous
     saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
     step = int(saved.removeprefix("step_").removesuffix(".pt"))

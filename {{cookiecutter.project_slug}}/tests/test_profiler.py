@@ -7,9 +7,9 @@ import torch
 from conftest import torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config
-from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.profiling import profile_window
+from {{ cookiecutter.package_name }}.rules import ConfigError
 
 
 def info(rank: int) -> DistInfo:

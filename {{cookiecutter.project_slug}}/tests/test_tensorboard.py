@@ -7,8 +7,8 @@ import torch
 from conftest import read_metrics, run, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
 
 pytest.importorskip("tensorboard", reason="TensorBoard is optional: pip install tensorboard (the viz extra)")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -90,6 +90,14 @@ def test_a_two_rank_run_resumed_mid_way_logs_every_step_once_in_order(tmp_path):
     main_metric = f"eval/{task.MAIN_METRIC[0]}"
     assert [step for step, _ in events[main_metric]] == [40]  # the eval at 30 belonged to the superseded attempt
     assert {"eval/loss", "time/data_wait_ms", "time/other_ms", "time/step_ms"} <= set(events)
+
+
+@pytest.mark.slow
+def test_evaluations_within_an_epoch_and_the_baseline_become_eval_events(tmp_path):
+    overrides = ("train.eval_every=10", "train.eval_at_start=true", "train.max_steps=30", "run.tensorboard=true")
+    torchrun(*train_args(tmp_path, *overrides))
+    events = scalars(tmp_path / "smoke" / "tensorboard")
+    assert [step for step, _ in events[f"eval/{task.MAIN_METRIC[0]}"]] == [0, 10, 20, 30]
 
 
 @pytest.mark.slow

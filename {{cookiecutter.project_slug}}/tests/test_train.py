@@ -1,5 +1,6 @@
 """End-to-end training runs: the launch users run, each precision, compile, NaN handling."""
 
+import json
 import signal
 import sys
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import checkpoint, config, hardware, launch, task, train
+from {{ cookiecutter.package_name }} import checkpoint, config, hardware, preemption, records, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.task import build_model
 
@@ -87,7 +88,54 @@ def test_non_finite_loss_stops_every_rank_with_advice(tmp_path):
     )
     assert result.returncode != 0
     for rank in (0, 1):  # rank 1 produced the NaN; the reduced loss stops rank 0 too
-        assert f"[rank {rank}/2] FloatingPointError: loss is nan at step 5: lower train.lr" in result.stderr
+        line = f"[rank {rank}/2] FloatingPointError: loss is nan or inf between steps 1 and 5: lower train.lr"
+        assert line in result.stderr
+
+
+@pytest.mark.slow
+def test_a_nan_between_log_steps_is_never_checkpointed_and_a_rerun_resumes_before_it(tmp_path):
+    # NaN from step 21; log steps every 10, checkpoints every 6: the old loop checked the loss only
+    # at log steps, wrote step 24 from NaN weights, and auto-resume picked that checkpoint forever
+    overrides = ("run.log_every=10", "checkpoint.every_steps=6", "checkpoint.keep_last=20", "train.max_steps=40")
+    fault = project_env(FAULT="nan", FAULT_RANK="1", FAULT_STEP="21")
+    line = "FloatingPointError: loss is nan or inf between steps 21 and 24: lower train.lr"
+    for attempt in ("first", "rerun"):
+        result = torchrun(FAULTY, *train_args(tmp_path, *overrides)[2:], timeout=120, check=False, env=fault)
+        assert result.returncode != 0, result.stderr[-3000:]
+        assert all(f"[rank {rank}/2] {line}" in result.stderr for rank in (0, 1)), result.stderr[-3000:]
+        written = sorted(p.name for p in (tmp_path / "smoke" / "checkpoints").glob("step_*.pt"))
+        assert written == ["step_00000006.pt", "step_00000012.pt", "step_00000018.pt"], attempt
+    assert "resumed from" in result.stdout and "step_00000018.pt at step 18" in result.stdout
+
+
+@pytest.mark.slow
+def test_eval_every_keeps_its_schedule_across_a_resume_and_counts_every_sample(tmp_path):
+    overrides = ("train.eval_every=20", "train.eval_at_start=true", "checkpoint.every_steps=20")
+    first = torchrun(*train_args(tmp_path, *overrides, "train.max_steps=50"), timeout=120)
+    assert "eval step 0 | epoch 0 |" in first.stdout and "eval step 20 | epoch 0 |" in first.stdout
+    torchrun(*train_args(tmp_path, *overrides, "train.max_steps=90"), timeout=120)  # resumes at 50
+    evals = records.of_kind(read_metrics(tmp_path / "smoke"), records.EVAL)
+    # every 20 steps, the baseline at 0 and each run's end; none twice, none skipped by the resume
+    assert [e["step"] for e in evals] == [0, 20, 40, 50, 60, 80, 90]
+    eval_set = task.build_datasets(config.load(SMOKE_CONFIG, TINY))[1]
+    assert {e["eval_samples"] for e in evals} == {len(eval_set)}
+
+
+@pytest.mark.slow
+def test_evaluate_gives_a_checkpoint_the_metrics_its_training_run_logged(tmp_path):
+    torchrun(*train_args(tmp_path, "train.eval_every=20", "checkpoint.every_steps=20", "train.max_steps=40"))
+    logged = {e["step"]: e for e in records.of_kind(read_metrics(tmp_path / "smoke"), records.EVAL)}
+    run_dir = tmp_path / "smoke"
+    # the run directory's latest checkpoint, on 2 ranks as it was trained: the same sums, bit for bit
+    torchrun("-m", f"{PACKAGE}.evaluate", str(run_dir))
+    same_world = json.loads((run_dir / "evaluations" / "step_00000040.json").read_text())
+    metrics = [key for key in logged[40] if key.startswith("eval_")]
+    assert {key: same_world[key] for key in metrics} == {key: logged[40][key] for key in metrics}
+    # an earlier checkpoint on one process: other batches, the same samples each counted once
+    one = run([sys.executable, "-m", f"{PACKAGE}.evaluate", str(run_dir / "checkpoints" / "step_00000020.pt")])
+    alone = json.loads((run_dir / "checkpoints" / "step_00000020.eval.json").read_text())
+    assert "eval step 20 | epoch 0 |" in one.stdout and alone["eval_samples"] == logged[20]["eval_samples"]
+    assert {key: alone[key] for key in metrics} == pytest.approx({key: logged[20][key] for key in metrics}, rel=1e-5)
 
 
 @pytest.mark.slow
@@ -215,11 +263,11 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
     train.save_checkpoint(job.state, cfg, world_of_one)  # the last checkpoint of a finished run
     files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     capsys.readouterr()
-    previous = signal.getsignal(launch.WORKER_STOP_SIGNAL)  # in case train.main traps it
+    previous = signal.getsignal(preemption.WORKER_STOP_SIGNAL)  # in case train.main traps it
     try:
         assert train.main(["--config", SMOKE_CONFIG, *overrides]) == 0
     finally:
-        signal.signal(launch.WORKER_STOP_SIGNAL, previous)
+        signal.signal(preemption.WORKER_STOP_SIGNAL, previous)
     out = capsys.readouterr().out
     assert f"nothing to train: {tmp_path / 'smoke'} is at step 4, and train.epochs / train.max_steps plan 4" in out
     assert "run.name=NEW" in out and "done:" not in out

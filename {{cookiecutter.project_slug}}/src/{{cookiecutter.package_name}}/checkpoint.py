@@ -1,4 +1,4 @@
-"""Complete, atomic, rank-0 checkpoints; auto-resume; preemption.
+"""Complete, atomic, rank-0 checkpoints; auto-resume.
 
 Layout under the run directory:
     checkpoints/step_00000500.pt   full training state at optimizer step 500
@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dist, launch
+from . import dist
 from .dist import DistInfo
 from .rules import ConfigError
 
@@ -99,7 +98,17 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def save(state: TrainState, run_dir: Path, config: dict, info: DistInfo, keep_last: int) -> Path:
-    """Write the full state from rank 0; every rank must call this (it holds collectives)."""
+    """Write the full state from rank 0; every rank must call this (it holds collectives).
+
+    Weights holding NaN or inf are never written (every rank finds them: DDP keeps the replicas
+    equal), so the newest checkpoint is always one a run can continue from.
+    """
+    broken = nonfinite(state.model.state_dict())
+    if broken:
+        raise FloatingPointError(
+            f"not writing the checkpoint of step {state.step}: {len(broken)} weights hold nan or inf "
+            f"(e.g. {broken[0]}); the last checkpoint is kept: lower train.lr or lengthen the warmup"
+        )
     rng_per_rank = dist.all_gather_objects(rng_state())  # collective: outside the rank-0 branch
     path = checkpoint_dir(run_dir) / f"step_{state.step:08d}.pt"
     if info.is_main:
@@ -121,6 +130,15 @@ def atomic_save(payload: dict, path: Path) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
     _fsync_dir(path.parent)
+
+
+def nonfinite(weights: dict) -> list[str]:
+    """Names of the floating-point tensors in `weights` that hold NaN or inf (one host sync)."""
+    floats = {name: t for name, t in weights.items() if t.is_floating_point() and t.numel()}
+    if not floats:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for t in floats.values()]).tolist()
+    return [name for name, ok in zip(floats, finite, strict=True) if not ok]
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -166,14 +184,27 @@ def load_file(path: str | Path) -> dict:
 
 
 def newest_loadable(run_dir: Path) -> tuple[Path | None, dict | None]:
-    """The newest checkpoint of the run that loads; corrupt or partial ones are skipped."""
+    """The newest checkpoint of the run that loads and holds finite weights; corrupt or partial
+    ones, and ones written after a non-finite loss (by an earlier version), are skipped."""
     for path in sorted(checkpoint_dir(run_dir).glob("step_*.pt"), reverse=True):
         try:
-            return path, load_file(path)
+            payload = load_file(path)
         except ValueError as err:
             cause = f"{type(err.__cause__).__name__}: {err.__cause__}"
             warnings.warn(f"skipping {path}, which is unreadable ({cause}); trying the one before it", stacklevel=2)
+            continue
+        problem = nonfinite_problem(path, payload)
+        if problem is None:
+            return path, payload
+        warnings.warn(f"skipping {problem}; trying the one before it", stacklevel=2)
     return None, None
+
+
+def nonfinite_problem(path: Path, payload: dict) -> str | None:
+    broken = nonfinite(payload["model"])
+    if not broken:
+        return None
+    return f"{path}: {len(broken)} of its weights hold nan or inf (e.g. {broken[0]}), written after a non-finite loss"
 
 
 def model_mismatch(model: nn.Module, saved: dict) -> str | None:
@@ -217,6 +248,9 @@ def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo, confi
     else:
         chosen = Path(setting)
     payload = load_file(chosen)
+    problem = nonfinite_problem(chosen, payload)
+    if problem:
+        raise ConfigError(f"checkpoint.resume: {problem}; pass an earlier checkpoint or checkpoint.resume=auto")
     mismatch = model_mismatch(state.model, payload["model"])
     if mismatch:
         raise ConfigError(
@@ -290,25 +324,6 @@ def _unshared(weights: dict) -> dict:
         result[name] = tensor.clone(memory_format=torch.contiguous_format) if storage in seen else tensor.contiguous()
         seen.add(storage)
     return result
-
-
-class PreemptionFlag:
-    """Set by SIGUSR1, the stop signal of the node launcher and of SLURM's warning; the loop
-    checks it at a step boundary on all ranks together.
-
-    SIGTERM keeps its default and ends the rank at once: torchrun sends it to the survivors
-    when a peer fails, and a rank that trapped it would run on until torchrun's SIGKILL 30 s
-    later. The launch scripts turn a TERM sent to them into SIGUSR1 for the workers.
-    `PreemptionFlag(signals=())` is never set: for runs that must not trap signals (smoke check).
-    """
-
-    def __init__(self, signals=(launch.WORKER_STOP_SIGNAL,)):
-        self.requested = False
-        for sig in signals:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
 
 
 def main(argv=None) -> int:

@@ -71,7 +71,7 @@ class RunConfig:
     name: RunName = "default"  # run name: every output of the run goes to out_dir/name/
     out_dir: str = "runs"  # parent directory of all runs
     seed: int = 0  # the same seed on every rank, set before the model is built
-    log_every: PositiveInt = 10  # optimizer steps between log lines (and preemption/NaN checks)
+    log_every: PositiveInt = 10  # optimizer steps between log lines (and preemption/NaN checks, as before checkpoints)
     tensorboard: Switch = "auto"  # TensorBoard event files in out_dir/name/tensorboard/; auto: on if installed
     profile_steps: StepWindow = None  # [start, stop]: trace steps start+1..stop into out_dir/name/profile/; null: off
     profile_ranks: Literal["main", "all"] = "main"  # ranks that write a profiler trace: main (rank 0) or all
@@ -102,6 +102,8 @@ class TrainConfig:
     weight_decay: NonNegative = 0.01  # AdamW weight decay (not applied to norms and biases)
     grad_clip: ClipNorm = 1.0  # max global gradient norm (null: no clipping)
     cudnn_benchmark: bool = True  # let cuDNN pick the fastest kernels for fixed input sizes
+    eval_every: StepCap = None  # optimizer steps between evaluations (and at the end); null: each epoch's end
+    eval_at_start: bool = False  # also evaluate the untrained model at step 0 (a fresh run's baseline)
 
 
 @dataclass
@@ -148,6 +150,11 @@ def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(tree).__name__}")
+    return with_overrides(tree, overrides)
+
+
+def with_overrides(tree: dict, overrides: typing.Sequence[str] = ()) -> Config:
+    """A validated Config from a settings tree (a YAML file's, a checkpoint's) and `a.b=value` overrides."""
     for item in overrides:
         key, value = parse_override(item)
         set_path(tree, key, value)

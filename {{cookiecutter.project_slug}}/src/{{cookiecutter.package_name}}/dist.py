@@ -12,7 +12,6 @@ import gc
 import os
 import random
 import secrets
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from . import launch
+from . import launch, preemption
 from .rules import ConfigError
 
 Built = TypeVar("Built")
@@ -129,7 +128,7 @@ def exit_code(info: DistInfo, work: Callable[[], int]) -> tuple[int, bool]:
 def init(info: DistInfo, timeout_minutes: float) -> None:
     """Bind this process to its own device, then join the process group."""
     bind_device(info)  # first: the process group then knows its device instead of guessing one
-    forget_earlier_preemption()
+    preemption.forget_earlier_preemption()
     if info.distributed:
         # torch._dynamo, on import, keeps references to the torch.distributed objects of that
         # moment; imported after the group exists (DDP imports it), it would keep the group and its
@@ -195,40 +194,6 @@ def intra_op_threads(local_world_size: int) -> int:
     else the rank's share of the CPUs, so ranks on a node do not oversubscribe them."""
     chosen = launch.positive_int(os.environ.get("OMP_NUM_THREADS"))
     return chosen or launch.threads_per_process(cpus_available(), local_world_size)
-
-
-def report_preemption(exit_code: int) -> int:
-    """The exit code of a rank stopped by a preemption request, after its checkpoint.
-
-    Under the node launcher the rank reports the preemption in the launcher's marker file and
-    exits 0: torchrun treats any other code as a failure and restarts the workers, and on a
-    node that restarts, the workers wait for a rendezvous that the stopped nodes never join.
-    The launcher then exits with `exit_code` itself. Launched any other way, the rank exits
-    with `exit_code`.
-    """
-    # done: a late stop signal must not kill the rank while Python shuts down and drops its handlers
-    signal.signal(launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
-    marker = os.environ.get(launch.MARKER_ENV)
-    if not marker:
-        return exit_code
-    Path(marker).touch()
-    return 0
-
-
-def forget_earlier_preemption() -> None:
-    """A new attempt has started (torchrun restarted the workers after a failure or a rejoin,
-    perhaps after some of the old ones had checkpointed on a stop request and reported it):
-    only this attempt's outcome decides whether the node launcher exits 75."""
-    marker = os.environ.get(launch.MARKER_ENV)
-    if marker:
-        Path(marker).unlink(missing_ok=True)
-
-
-def quiet_loader_worker(worker_id: int) -> None:
-    """DataLoader `worker_init_fn`: loader workers ignore the preemption signal. SLURM delivers
-    it to every process of the step, and a loader worker that dies of it crashes its rank's
-    next batch; the rank itself handles it (checkpoint.PreemptionFlag)."""
-    signal.signal(launch.WORKER_STOP_SIGNAL, signal.SIG_IGN)
 
 
 def shared_dir_problem(info: DistInfo, directory: Path) -> str | None:
@@ -344,6 +309,13 @@ def shareable(error: Exception | None) -> ConfigError | str | None:
 def barrier() -> None:
     if torch_dist.is_initialized():
         torch_dist.barrier()
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm statistics, say) on every rank; every rank must call it."""
+    if torch_dist.is_initialized():
+        for buffer in module.buffers():
+            torch_dist.broadcast(buffer, src=0)
 
 
 def print0(info: DistInfo, *args, **kwargs) -> None:

@@ -14,7 +14,7 @@ It plans the node, then runs torchrun and stays with it:
   at their next log step (on every node), write a checkpoint and exit; a second one makes
   torchrun stop them at once. torchrun ignores SIGUSR1 (SLURM hands it to every process of the
   step): left to torchrun, a stop kills the workers 30 s later, checkpoint or not;
-- exit status: 75 (PREEMPTED_EXIT_CODE) when the workers checkpointed and stopped early on a
+- exit status: 75 (preemption.PREEMPTED_EXIT_CODE) when the workers checkpointed and stopped early on a
   TERM, HUP or USR1 (a preemption), so a scheduler requeues the job and a rerun resumes; 130
   when they did so on a Ctrl-C (the user's stop: nothing should requeue it); otherwise
   torchrun's;
@@ -36,12 +36,16 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again": checkpointed on a preemption, requeue to resume
-INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # a shell's status after Ctrl-C
-MARKER_ENV = "PREEMPTION_MARKER"  # where the workers report a preemption (dist.report_preemption)
+from .preemption import (
+    MARKER_ENV,
+    PREEMPTED_EXIT_CODE,
+    STOP_SIGNALS,
+    WORKER_STOP_SIGNAL,
+    exit_status,
+    handles,
+)
+
 DEFAULT_MASTER_PORT = 29622  # a static rendezvous's default: away from the crowded 29500
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
-WORKER_STOP_SIGNAL = signal.SIGUSR1  # what checkpoint.PreemptionFlag handles and torchrun ignores
 RESEND_SECONDS = 1.0  # how often workers that torchrun (re)starts after a stop request are looked for
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CPU_PROCESSES = 2  # without GPUs the scripts still run DDP, on gloo
@@ -134,14 +138,6 @@ def children(pid: int) -> list[int]:
     return [int(child) for child in found.stdout.split()]
 
 
-def exit_status(torchrun_status: int, stop_signal: int | None, preempted: bool) -> int:
-    """The node's exit status. Only workers that checkpointed on a stop request (`preempted`)
-    make it 75 ("requeue me"), and not when the request was the user's Ctrl-C on this node."""
-    if preempted:
-        return INTERRUPTED_EXIT_CODE if stop_signal == signal.SIGINT else PREEMPTED_EXIT_CODE
-    return torchrun_status if torchrun_status >= 0 else 128 - torchrun_status  # killed by a signal
-
-
 class Supervisor:
     """Runs torchrun; turns stop signals into a checkpoint-and-exit for its workers."""
 
@@ -200,16 +196,6 @@ class Supervisor:
                 self.told.add(pid)
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.kill(pid, WORKER_STOP_SIGNAL)
-
-
-def handles(pid: int, sig: signal.Signals) -> bool:
-    """Whether process `pid` has a handler for `sig` (Linux: SigCgt in /proc; elsewhere assumed)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return not Path("/proc/self/status").exists()
-    caught = int(status.split("SigCgt:")[1].split()[0], 16)
-    return bool(caught & (1 << (sig - 1)))
 
 
 def _prepare() -> None:

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .config import Config
-from .dist import DistInfo, all_reduce_max, quiet_loader_worker
+from .dist import DistInfo, all_reduce_max
+from .preemption import quiet_loader_worker
 
 
 class ResumableSampler(DistributedSampler):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import records
 from .dist import DistInfo, all_reduce_sum
 from .profiling import ProfileWindow, StepClock
 from .tensorboard import Board
@@ -63,15 +64,21 @@ def real_sample_mask(first_position: int, batch_size: int, info: DistInfo, datas
     return positions * info.world_size + info.rank < dataset_size
 
 
+def evaluation_line(step: int, epoch: int, results: dict) -> str:
+    shown = " | ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in results.items() if k != "eval_samples")
+    return f"eval step {step} | epoch {epoch} | {shown} | {results['eval_samples']} samples"
+
+
 class TrainingLog:
     """Loss, throughput and where the step time goes, over each logging window, exact across ranks.
 
     `record()` runs every optimizer step and costs one device add and no host sync; the loop
-    times its phases with `clock` (profiling.StepClock). `flush()` is the loop's one regular
-    collective: it also carries the stop request, so every rank learns of a preemption or a
-    non-finite loss at the same step. Rank 0 appends every record to metrics.jsonl, writes it to
-    TensorBoard when `board` is given, and prints the log, evaluation and summary lines.
-    `profiler` (a profiling.ProfileWindow, or None) traces the steps of run.profile_steps.
+    times its phases with `clock` (profiling.StepClock). `flush()` reduces the window's sums over
+    ranks (a collective: every rank calls it at the same step). It records and writes; what to do
+    about the values (stop, a non-finite loss) the loop decides. Rank 0 appends every record to
+    metrics.jsonl, writes it to TensorBoard when `board` is given, and prints the log, evaluation
+    and summary lines. `profiler` (a profiling.ProfileWindow, or None) traces the steps of
+    run.profile_steps. Use it as a context manager: leaving closes the bar, profiler and board.
     """
 
     def __init__(
@@ -116,17 +123,19 @@ class TrainingLog:
         self.samples += samples
         self.steps += 1
 
-    def flush(self, step: int, epoch: int, lr: float, stop_requested: bool) -> dict:
+    def flush(self, step: int, epoch: int, lr: float) -> dict:
+        """Reduce, write and print the window's record; returns it."""
         seconds = self.clock.read()  # on CUDA: waits for the window's last event, as the reduction would
-        host = [self.terms, self.samples, float(stop_requested), *seconds.values(), *self.peak_memory_slots()]
+        host = [self.terms, self.samples, *seconds.values(), *self.peak_memory_slots()]
         local = torch.cat([self.loss_sum.view(1), torch.tensor(host, dtype=torch.float64).to(self.info.device)])
         sums = all_reduce_sum(local).tolist()
-        loss_sum, terms, samples, stops = sums[:4]
-        phases = dict(zip(seconds, sums[4 : 4 + len(seconds)], strict=True))  # seconds summed over ranks
-        peaks = sums[4 + len(seconds) :]
+        loss_sum, terms, samples = sums[:3]
+        phases = dict(zip(seconds, sums[3 : 3 + len(seconds)], strict=True))  # seconds summed over ranks
+        peaks = sums[3 + len(seconds) :]
         elapsed = time.perf_counter() - self.window_start
         self.run_samples += int(samples)
         record = {
+            "kind": records.TRAIN,
             "step": step,
             "epoch": epoch,
             "loss": loss_sum / max(terms, 1.0),  # per loss term over every rank: exact, not a mean of means
@@ -152,7 +161,7 @@ class TrainingLog:
                 f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"
             )
         self.reset()
-        return record | {"stop": stops > 0}
+        return record
 
     def speed(self, samples_per_s: float) -> dict[str, float]:
         """Samples/s over every rank; the task's units/s; MFU: the model's FLOPs done per second
@@ -200,14 +209,13 @@ class TrainingLog:
 
     def evaluation(self, step: int, epoch: int, results: dict) -> None:
         """Record and print one evaluation (rank 0 writes; every rank keeps the history)."""
-        self.evaluations.append({"step": step, "epoch": epoch, **results})
+        self.evaluations.append({"kind": records.EVAL, "step": step, "epoch": epoch, **results})
         self.write(self.evaluations[-1])
-        shown = " | ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in results.items() if k != "eval_samples")
-        self.print(f"eval step {step} | epoch {epoch} | {shown} | {results['eval_samples']} samples")
+        self.print(evaluation_line(step, epoch, results))
 
     def summary(self, steps: int, main_metric: tuple[str, str], run_dir: Path) -> str:
         """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
-        Also appended to metrics.jsonl as {"summary": {...}}."""
+        Also appended to metrics.jsonl as {"kind": "summary", "summary": {...}}."""
         wall = time.perf_counter() - self.run_start
         ran = steps - self.first_step  # a resumed attempt's wall time and speed are its own steps'
         summary = {"steps": steps, "attempt_steps": ran, "wall_s": wall, **self.speed(self.run_samples / wall)}
@@ -220,7 +228,7 @@ class TrainingLog:
             best = (max if goal == "max" else min)(scored, key=lambda e: e[key])
             line += f"; eval {name}: best {best[key]:.4f} at step {best['step']}, final {scored[-1][key]:.4f}"
             summary |= {f"best_{key}": best[key], "best_step": best["step"], f"final_{key}": scored[-1][key]}
-        self.write({"step": steps, "summary": summary})
+        self.write({"kind": records.SUMMARY, "step": steps, "summary": summary})
         return f"{line}; outputs in {run_dir}"
 
     def write(self, record: dict, extra: dict[str, float] | None = None) -> None:
@@ -238,6 +246,12 @@ class TrainingLog:
                 print(line, flush=True)
             else:
                 self.bar.write(line)
+
+    def __enter__(self) -> TrainingLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Finish the progress bar, an open profiler window and the TensorBoard file."""

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import task
-from .config import ConfigError
 from .loaders import describe, first_samples, num_samples
+from .rules import ConfigError
 
 SAMPLES = 2  # enough to expose a batch dimension; cheap for any model on the CPU
 

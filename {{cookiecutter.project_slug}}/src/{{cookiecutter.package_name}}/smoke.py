@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import shutil
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, checks, config, dist, hardware, task, train
+from . import checkpoint, checks, config, dist, hardware, preemption, records, task, train
 from .checks import FAIL, INFO, PASS, SKIP
 from .dist import DistInfo
 
@@ -137,17 +136,15 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
         job.model.register_comm_hook(counter, counting_allreduce_hook)
     results["gradients all-reduced"] = check_gradients_reduced(job, cfg, info)
     start = time.perf_counter()
-    log = train.training_log(job, cfg, info)
-    train.fit(job, cfg, info, log, checkpoint.PreemptionFlag(signals=()))
+    with train.training_log(job, cfg, info) as log:
+        train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
     elapsed = time.perf_counter() - start
 
     digests = dist.all_gather_objects(parameter_digest(job.state.model))
     same = len(set(digests)) == 1
     results["parameters equal on all ranks"] = (PASS if same else FAIL, f"digests {sorted(set(digests))}")
-    records = (
-        [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()] if info.is_main else []
-    )
-    results["loss decreases"] = dist.broadcast_object(_loss_trend(records))
+    logged = records.read(cfg.run_dir / "metrics.jsonl") if info.is_main else []
+    results["loss decreases"] = dist.broadcast_object(_loss_trend(logged))
     results["one all-reduce per optimizer step"] = _comm_check(counter, job, info)
     results["precision"] = check_precision(cfg, info, job.state.scaler)
     results["SyncBatchNorm"] = check_sync_batchnorm(cfg, info, job.model)
@@ -161,8 +158,8 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     return dist.broadcast_object([(verdict, name, detail) for name, (verdict, detail) in results.items()])
 
 
-def _loss_trend(records: list[dict]) -> tuple[str, str]:
-    losses = [r["loss"] for r in records if "loss" in r]
+def _loss_trend(logged: list[dict]) -> tuple[str, str]:
+    losses = [r["loss"] for r in records.of_kind(logged, records.TRAIN)]
     if len(losses) < 2:
         return FAIL, "fewer than two loss records: raise train.epochs or lower run.log_every"
     verdict = PASS if losses[-1] < losses[0] else FAIL

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from .config import ConfigError
+from . import records
 from .dist import DistInfo, print0
+from .rules import ConfigError
 
 INSTALL = "pip install tensorboard (or the project's viz extra)"
 
@@ -30,10 +31,11 @@ def check(setting: bool | str) -> None:
 
 def tags(record: dict) -> dict[str, float]:
     """The TensorBoard scalars of one metrics.jsonl record, by tag."""
-    if "loss" in record:  # a log window
+    kind = records.kind_of(record)
+    if kind == records.TRAIN:
         scalars = {f"train/{key}": record[key] for key in ("loss", "lr", "samples_per_s", "data_wait_share")}
         return scalars | {f"time/{key}": value for key, value in record.items() if key.endswith("_ms")}
-    if "eval_samples" in record:  # an evaluation: whatever task.metrics returns
+    if kind == records.EVAL:  # whatever task.metrics returns
         metrics = {key: value for key, value in record.items() if key.startswith("eval_") and key != "eval_samples"}
         return {f"eval/{key.removeprefix('eval_')}": value for key, value in metrics.items()}
     return {}

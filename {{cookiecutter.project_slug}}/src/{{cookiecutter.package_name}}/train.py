@@ -23,13 +23,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, dist, hardware, launch, loaders, optim, task, tensorboard
+from . import checkpoint, config, dist, hardware, loaders, optim, preemption, task, tensorboard
 from .checkpoint import TrainState
-from .config import Config, ConfigError
+from .config import Config
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
 from .preflight import check_declared_terms, check_task
 from .profiling import profile_window
+from .rules import ConfigError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -103,14 +104,14 @@ def run(cfg: Config, info: DistInfo) -> int:
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")
-    log = training_log(job, cfg, info)
-    report_startup(cfg, info, job, log, resumed)
-    outcome = fit(job, cfg, info, log, checkpoint.PreemptionFlag())
-    save_checkpoint(job.state, cfg, info)
-    if outcome is Outcome.PREEMPTED:
-        dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
-        return dist.report_preemption(launch.PREEMPTED_EXIT_CODE)
-    dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
+    with training_log(job, cfg, info) as log:
+        report_startup(cfg, info, job, log, resumed)
+        outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
+        save_checkpoint(job.state, cfg, info)
+        if outcome is Outcome.PREEMPTED:
+            dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
+            return preemption.report_preemption()
+        dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
     return 0
 
 
@@ -167,22 +168,27 @@ def training_log(job: Job, cfg: Config, info: DistInfo) -> TrainingLog:
     )
 
 
-def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> Outcome:
-    """Epochs of training and evaluation until total_steps or a preemption."""
-    state, sampler = job.state, job.train_loader.sampler
+def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemption.PreemptionFlag) -> Outcome:
+    """Epochs of training until total_steps or a preemption, evaluating as train.eval_every says."""
+    state = job.state
+    if cfg.train.eval_at_start and state.step == 0:
+        run_evaluation(job, cfg, info, log)  # the baseline: the untrained model
     outcome = None
     while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
-        sampler.set_epoch(state.epoch)  # a new order every epoch
+        job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch
         if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
             job.train_loader.dataset.set_epoch(state.epoch)
-        sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
-        outcome = train_one_epoch(job, cfg, info, log, preemption)
-        if outcome is not Outcome.PREEMPTED:
-            log.evaluation(state.step, state.epoch, evaluate(job.eval_model, job.eval_loader, cfg, info))
+        job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
+        outcome = train_one_epoch(job, cfg, info, log, stop)
+        if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.train.eval_every is None):
+            run_evaluation(job, cfg, info, log)
         if outcome is Outcome.EPOCH_END:
             state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-    log.close()
     return outcome
+
+
+def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
+    log.evaluation(job.state.step, job.state.epoch, evaluate(job.eval_model, job.eval_loader, cfg, info))
 
 
 def has_batchnorm(model: nn.Module) -> bool:
@@ -219,17 +225,24 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
     return model, eval_model
 
 
-def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, preemption) -> Outcome:
-    """Optimizer steps until the epoch ends, total_steps, or a preemption request reaches every rank."""
+def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemption.PreemptionFlag):
+    """Optimizer steps until the epoch ends, total_steps, or a preemption request reaches every rank.
+
+    At every log step and before every checkpoint the ranks agree on one StepStatus: a NaN/inf
+    loss stops the run before anything is written from it, and a stop request ends the epoch.
+    """
     state, accum, clock, profiler = job.state, cfg.train.grad_accum_steps, log.clock, log.profiler
+    every_eval, every_save = cfg.train.eval_every, cfg.checkpoint.every_steps
     job.model.train()
     batches = iter(job.train_loader)
+    unchecked_loss = torch.zeros((), dtype=torch.float64, device=info.device)  # summed since the last check
     for _ in range(len(job.train_loader) // accum):  # a partial accumulation is dropped
         with clock.data_wait:
             micro_batches = [next(batches) for _ in range(accum)]
         with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
             loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
         log.record(loss_sum, terms, accum * cfg.data.batch_size)
+        unchecked_loss += loss_sum
         state.batch_in_epoch += accum
         with clock.optimizer:
             optimizer_step(state, cfg)
@@ -237,16 +250,44 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, pre
         if profiler is not None:  # run.profile_steps; when off, this check is all it costs
             profiler.after_step(state.step)
         done = state.step >= job.total_steps
-        if state.step % cfg.run.log_every == 0 or done:
-            record = log.flush(state.step, state.epoch, state.scheduler.get_last_lr()[0], preemption.requested)
-            check_finite(record["loss"], state.step, cfg)
-            if record["stop"]:
+        logs, saves = state.step % cfg.run.log_every == 0 or done, state.step % every_save == 0 and not done
+        if logs:
+            log.flush(state.step, state.epoch, state.scheduler.get_last_lr()[0])
+        if logs or saves:
+            status = StepStatus.reduced(unchecked_loss, stop.requested, info)
+            check_finite(status, state.step - log_window(state.step, cfg), state.step, cfg)
+            unchecked_loss.zero_()
+            if status.stop_requested:
                 return Outcome.PREEMPTED
         if done:
             return Outcome.MAX_STEPS
-        if state.step % cfg.checkpoint.every_steps == 0:
+        if every_eval and state.step % every_eval == 0:
+            run_evaluation(job, cfg, info, log)  # leaves the model in train mode
+        if saves:
             save_checkpoint(state, cfg, info)
     return Outcome.EPOCH_END
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    """What the ranks decide on together at a check: one all-reduce of two numbers."""
+
+    losses_finite: bool  # every loss since the previous check, on every rank, was finite
+    stop_requested: bool  # a preemption request reached at least one rank
+
+    @classmethod
+    def reduced(cls, unchecked_loss: torch.Tensor, stop_requested: bool, info: DistInfo) -> StepStatus:
+        # a sum is finite only if every term was: this rank's losses since the check are one number
+        local = torch.stack([unchecked_loss, torch.tensor(float(stop_requested), dtype=torch.float64).to(info.device)])
+        loss, stops = dist.all_reduce_sum(local).tolist()
+        return cls(losses_finite=math.isfinite(loss), stop_requested=stops > 0)
+
+
+def log_window(step: int, cfg: Config) -> int:
+    """Steps since the previous check before `step`: the previous log step or checkpoint."""
+    since_log = (step - 1) % cfg.run.log_every + 1
+    since_save = (step - 1) % cfg.checkpoint.every_steps + 1
+    return min(since_log, since_save)
 
 
 def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tuple[torch.Tensor, float]:
@@ -303,18 +344,24 @@ def save_checkpoint(state: TrainState, cfg: Config, info: DistInfo):
     return checkpoint.save(state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
 
 
-def check_finite(loss: float, step: int, cfg: Config) -> None:
-    """Stop every rank on a NaN/inf loss (the value was reduced, so all ranks agree)."""
-    if not math.isfinite(loss):
+def check_finite(status: StepStatus, checked: int, step: int, cfg: Config) -> None:
+    """Stop every rank on a NaN/inf loss (the status was reduced, so all ranks agree), before a
+    checkpoint can be written from the state it left."""
+    if not status.losses_finite:
+        where = f"at step {step}" if step - checked == 1 else f"between steps {checked + 1} and {step}"
         raise FloatingPointError(
-            f"loss is {loss} at step {step}: lower train.lr (now {cfg.train.lr}) or lengthen the "
-            f"warmup (train.warmup_fraction, now {cfg.train.warmup_fraction}); with fp16 try bf16"
+            f"loss is nan or inf {where}: lower train.lr (now {cfg.train.lr}) or lengthen the "
+            f"warmup (train.warmup_fraction, now {cfg.train.warmup_fraction}); with fp16 try bf16; "
+            f"the last checkpoint was written before it"
         )
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
     """The task's metrics over every eval sample exactly once, whatever the world size."""
+    # DDP sends rank 0's buffers at the start of each forward, so after a step every rank holds
+    # BatchNorm statistics of its own batch: evaluate rank 0's, the model the checkpoint saves
+    dist.broadcast_buffers(model)
     model.eval()
     totals = Totals(info.device)
     position = 0

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, exit_on_user_error
+from .config import exit_on_user_error
+from .rules import ConfigError
 from .data import BYTE_VOCABULARY, META, SPLITS, built_in_corpus
 
 BYTES = "bytes"

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from . import checkpoint, config
-from .config import ConfigError, exit_on_user_error
+from .config import exit_on_user_error
+from .rules import ConfigError
 from .data import read_meta
 from .model import build_model
 from .prepare import BYTES, load_tokenizer

@@ -1,0 +1,89 @@
+"""Evaluate a checkpoint on the eval set, as training evaluates: every sample once, sums in float64.
+
+    python -m {{ cookiecutter.package_name }}.evaluate runs/default                         # the run's latest checkpoint
+    python -m {{ cookiecutter.package_name }}.evaluate runs/default/checkpoints/step_00000500.pt data.batch_size=64
+    torchrun --standalone --nproc_per_node=2 -m {{ cookiecutter.package_name }}.evaluate runs/default
+
+The settings are the checkpoint's own, changed by any `section.key=value` overrides (another
+eval set through the dataset settings, say). The model is built and wrapped as training wraps
+it, so the metrics equal the training run's evaluation at that step. Rank 0 prints them and
+writes them as JSON: to RUN_DIR/evaluations/<checkpoint>.json for a run directory, beside the
+checkpoint (<checkpoint>.eval.json) for a file, or to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import checkpoint, config, dist, loaders, metrics, task, train
+from .config import Config
+from .dist import DistInfo
+from .rules import ConfigError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", type=Path, help="a run directory (its latest checkpoint) or a checkpoint file")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. data.batch_size=64")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the metrics as JSON")
+    return parser.parse_intermixed_args(argv)
+
+
+def checkpoint_of(target: Path) -> Path:
+    """The checkpoint file `target` names: itself, or a run directory's latest."""
+    if not target.is_dir():
+        return target
+    latest = checkpoint.checkpoint_dir(target) / "latest"
+    if not latest.exists():
+        raise ConfigError(f"{target} holds no checkpoint ({latest} is missing): pass a run directory or a .pt file")
+    return latest.parent / latest.read_text().strip()
+
+
+def output_of(target: Path, path: Path, chosen: Path | None) -> Path:
+    if chosen is not None:
+        return chosen
+    return target / "evaluations" / f"{path.stem}.json" if target.is_dir() else path.with_suffix(".eval.json")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    info = DistInfo.from_env()
+    with config.exit_on_user_error():  # before any collective: every rank finds the same problem
+        path = checkpoint_of(args.target)
+        try:
+            payload = checkpoint.load_file(path)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+        cfg = config.with_overrides(payload["config"], args.overrides)
+        train.check_hardware(cfg, info)
+    out = output_of(args.target, path, args.out)
+    work = lambda: evaluate(cfg, info, payload, out, args.overrides)  # noqa: E731
+    return dist.run_in_group(info, cfg.dist.timeout_minutes, work)
+
+
+def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: list[str]) -> int:
+    raw_model, (train_set, eval_set) = dist.local_main_first(
+        info, lambda: (task.build_model(cfg), task.build_datasets(cfg))
+    )
+    mismatch = checkpoint.model_mismatch(raw_model, payload["model"])
+    if mismatch:
+        raise ConfigError(f"the checkpoint holds another model than the settings build ({mismatch})")
+    raw_model.load_state_dict(payload["model"])
+    workers = loaders.resolve_workers(cfg, dist.cpus_available(), info.local_world_size)
+    _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
+    _, eval_model = train.wrap(raw_model, cfg, info)
+    results = train.evaluate(eval_model, eval_loader, cfg, info)
+    dist.print0(info, metrics.evaluation_line(payload["step"], payload["epoch"], results))
+    if info.is_main:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"step": payload["step"], "epoch": payload["epoch"], **results}
+        out.write_text(json.dumps(record | {"world_size": info.world_size, "overrides": overrides}, indent=2) + "\n")
+        print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
