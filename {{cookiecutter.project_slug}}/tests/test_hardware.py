@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import checks, dist, hardware
+from {{ cookiecutter.package_name }} import checks, hardware, train
 from {{ cookiecutter.package_name }}.hardware import Gpu
 
 
@@ -125,9 +125,9 @@ def test_doctor_on_a_cpu_machine():
 
 def test_compile_with_syncbn_is_called_out():
     model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))
-    assert "pytorch#161302" in dist.syncbn_compile_note(model, compile_model=True)
-    assert dist.syncbn_compile_note(model, compile_model=False) is None
-    assert dist.syncbn_compile_note(nn.Sequential(nn.BatchNorm1d(4)), compile_model=True) is None
+    assert "pytorch#161302" in train.syncbn_compile_note(model, compile_model=True)
+    assert train.syncbn_compile_note(model, compile_model=False) is None
+    assert train.syncbn_compile_note(nn.Sequential(nn.BatchNorm1d(4)), compile_model=True) is None
 
 
 def test_smoke_and_doctor_print_one_table_whose_failures_set_the_exit_code():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import shutil
@@ -22,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from . import checks, config, dist, hardware, launch, loaders, task
+from . import checks, config, dist, hardware, launch, loaders, records, task
 from .checks import PASS, WARN
 from .config import Config
 from .dist import DistInfo, cpus_available
+from .profiling import SPLIT
 
 INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
 
@@ -116,9 +116,6 @@ def load_model_factory(spec: str | None):
     return getattr(importlib.import_module(module), function)
 
 
-SPLIT = ("data_wait_ms", "fwd_bwd_ms", "optimizer_ms", "other_ms")  # a step's time, as metrics.jsonl splits it
-
-
 def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int, out_dir: str | None = None) -> dict:
     """Train `steps` steps on 1 process and on `nproc`, then compare steady-state throughput and
     the split of a step's time. The runs are kept in out_dir (scale1/, scaleN/) when given."""
@@ -147,10 +144,8 @@ def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int, out_dir
                 "train.epochs=1000",
             ]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=_threads_env(n))
-            records = [
-                json.loads(line) for line in (Path(out) / f"scale{n}" / "metrics.jsonl").read_text().splitlines()
-            ]
-            steady = [r for r in records if "loss" in r][1:]  # the first window holds start-up costs
+            logged = records.read(Path(out) / f"scale{n}" / "metrics.jsonl")
+            steady = records.of_kind(logged, records.TRAIN)[1:]  # the first window holds start-up costs
             keys = ("samples_per_s", "data_wait_share", "step_ms", *SPLIT)
             results[n] = {key: sum(r[key] for r in steady) / len(steady) for key in keys}
     return results

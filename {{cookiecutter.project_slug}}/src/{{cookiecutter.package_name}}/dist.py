@@ -226,18 +226,6 @@ def shared_dir_problem(info: DistInfo, directory: Path) -> str | None:
     )
 
 
-def syncbn_compile_note(model: torch.nn.Module, compile_model: bool) -> str | None:
-    """torch.compile breaks its graph at every SyncBatchNorm layer (pytorch#161302): together they
-    keep SyncBN's cost and lose most of compile's gain. Say so rather than run slow in silence."""
-    if not compile_model or not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()):
-        return None
-    return (
-        "note: train.compile with SyncBatchNorm: torch.compile breaks its graph at every SyncBatchNorm "
-        "layer (pytorch#161302) and gains little; keep SyncBN for small per-device batches (< 8), "
-        "else set train.sync_batchnorm=false to get compile's speed"
-    )
-
-
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks in place; every rank must call it (never inside `if rank == 0`)."""
     if torch_dist.is_initialized():

@@ -22,7 +22,9 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from .dist import DistInfo, print0
 
-PHASES = ("data_wait", "fwd_bwd", "optimizer")
+PHASES = {"data_wait": "data wait", "fwd_bwd": "forward+backward", "optimizer": "optimizer"}  # timed per step
+# a step's time as metrics.jsonl splits it: the phases, and the rest (logging, checkpoints, the loop)
+SPLIT = {**{f"{phase}_ms": label for phase, label in PHASES.items()}, "other_ms": "other"}
 
 
 class HostPhase:

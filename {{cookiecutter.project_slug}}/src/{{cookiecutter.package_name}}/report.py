@@ -12,22 +12,16 @@ step and the settings that matter. The figure needs matplotlib (the project's vi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from . import task
+from . import records, task
+from .profiling import SPLIT
 
 INSTALL = "pip install matplotlib (or the project's viz extra)"
-SPLIT = {
-    "data_wait_ms": "data wait",
-    "fwd_bwd_ms": "forward+backward",
-    "optimizer_ms": "optimizer",
-    "other_ms": "other",
-}
 SETTINGS = (  # always shown; any other setting that differs between the runs compared is shown too
     "data.batch_size",
     "train.grad_accum_steps",
@@ -50,12 +44,12 @@ class Run:
     settings: dict = field(default_factory=dict)  # "section.key" -> value, from config.yaml
 
 
-def current_timeline(records: list[dict]) -> list[dict]:
+def current_timeline(logged: list[dict]) -> list[dict]:
     """The records of the run as it went on: when an attempt resumed from a checkpoint at step S,
     what earlier attempts had logged after S was superseded, as TensorBoard purges it."""
     kept: list[dict] = []
     attempt = (None, float("inf"))  # (start_step, elapsed_s) of the latest log window
-    for record in records:
+    for record in logged:
         if "start_step" in record:
             if record["start_step"] != attempt[0] or record["elapsed_s"] < attempt[1]:  # a new attempt
                 kept = [r for r in kept if r["step"] <= record["start_step"]]
@@ -69,12 +63,12 @@ def latest_per_step(records: list[dict]) -> list[dict]:
     return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
 
 
-def wall_time(records: list[dict]) -> float | None:
+def wall_time(logged: list[dict]) -> float | None:
     """Seconds of training over every attempt: each attempt's clock starts again at zero."""
     clocks = [
-        r["summary"]["wall_s"] if "summary" in r else r.get("elapsed_s")
-        for r in records
-        if "loss" in r or "summary" in r
+        r["summary"]["wall_s"] if records.kind_of(r) == records.SUMMARY else r.get("elapsed_s")
+        for r in logged
+        if records.kind_of(r) != records.EVAL
     ]
     if not clocks or any(c is None for c in clocks):
         return None
@@ -99,15 +93,15 @@ def read_run(run_dir: Path, label: str) -> Run:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"report: {path} does not exist; pass a run directory such as runs/default")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    logged = records.read(path)
     config_file = run_dir / "config.yaml"
     settings = flatten(yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
-    timeline = current_timeline(records)
+    timeline = current_timeline(logged)
     return Run(
         label=label,
-        train=latest_per_step([r for r in timeline if "loss" in r]),
-        evals=latest_per_step([r for r in timeline if "eval_samples" in r]),
-        wall_s=wall_time(records),
+        train=latest_per_step(records.of_kind(timeline, records.TRAIN)),
+        evals=latest_per_step(records.of_kind(timeline, records.EVAL)),
+        wall_s=wall_time(logged),
         settings=settings,
     )
 

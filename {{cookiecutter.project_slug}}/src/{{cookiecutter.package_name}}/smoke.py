@@ -121,11 +121,11 @@ def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
         return SKIP, "train.sync_batchnorm is off"
     if info.device.type != "cuda" or not info.distributed:
         return SKIP, "SyncBatchNorm needs CUDA and more than one process"
-    batch_norms = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
-    if not any(isinstance(m, batch_norms) for m in model.modules()):
+    if not train.has_batchnorm(model):
         return SKIP, "the model has no BatchNorm layer"
-    has_sync = any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
-    return (PASS, "BatchNorm layers are SyncBatchNorm") if has_sync else (FAIL, "no SyncBatchNorm layer found")
+    if train.has_batchnorm(model, sync=True):
+        return PASS, "BatchNorm layers are SyncBatchNorm"
+    return FAIL, "no SyncBatchNorm layer found"
 
 
 def run_checks(cfg, info: DistInfo) -> list[checks.Row]:

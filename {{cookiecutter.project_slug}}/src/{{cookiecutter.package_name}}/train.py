@@ -191,8 +191,23 @@ def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> N
     log.evaluation(job.state.step, job.state.epoch, evaluate(job.eval_model, job.eval_loader, cfg, info))
 
 
-def has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
+def has_batchnorm(model: nn.Module, sync: bool = False) -> bool:
+    """Whether `model` has a BatchNorm layer of any kind (SyncBatchNorm included), or with
+    `sync` a SyncBatchNorm layer."""
+    kind = nn.SyncBatchNorm if sync else nn.modules.batchnorm._BatchNorm
+    return any(isinstance(module, kind) for module in model.modules())
+
+
+def syncbn_compile_note(model: torch.nn.Module, compile_model: bool) -> str | None:
+    """torch.compile breaks its graph at every SyncBatchNorm layer (pytorch#161302): together they
+    keep SyncBN's cost and lose most of compile's gain. Say so rather than run slow in silence."""
+    if not compile_model or not has_batchnorm(model, sync=True):
+        return None
+    return (
+        "note: train.compile with SyncBatchNorm: torch.compile breaks its graph at every SyncBatchNorm "
+        "layer (pytorch#161302) and gains little; keep SyncBN for small per-device batches (< 8), "
+        "else set train.sync_batchnorm=false to get compile's speed"
+    )
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
@@ -208,7 +223,7 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
         dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
     model.to(info.device)
     if cfg.train.compile:
-        note = dist.syncbn_compile_note(model, cfg.train.compile)
+        note = syncbn_compile_note(model, cfg.train.compile)
         if note:
             dist.print0(info, note)
         model = torch.compile(model)
