@@ -4,6 +4,7 @@ Same model, data, sampler, optimizer, schedule, precision, accumulation and clip
 project (it reads the same config file); none of the project's training code.
 """
 
+import os
 import time
 from contextlib import nullcontext
 
@@ -28,8 +29,12 @@ class BareLoop:
         train_set, _ = build_datasets(cfg)
         self.sampler = DistributedSampler(train_set, shuffle=True, drop_last=True, seed=cfg.run.seed)
         self.loader = DataLoader(train_set, batch_size=cfg.data.batch_size, sampler=self.sampler, drop_last=True)
+        # fused, as the project's; BARE_ADAMW=foreach: torch's default on CPU (the fused row's reference)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+            self.model.parameters(),
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            fused=os.environ.get("BARE_ADAMW", "fused") == "fused",
         )
         total = cfg.train.max_steps
         warmup = max(1, total // 100)

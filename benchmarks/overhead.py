@@ -33,7 +33,9 @@ SETTINGS = {  # every optional output off, except in the row that states TensorB
     "bf16": ["train.precision=bf16"],
     "fp32 accum4": ["train.precision=fp32", "train.grad_accum_steps=4"],
     "fp32 + TensorBoard": ["train.precision=fp32", "run.tensorboard=true"],
+    "fp32, bare on foreach AdamW": ["train.precision=fp32"],  # the gain of fused AdamW on CPU
 }
+BARE_ADAMW = {"fp32, bare on foreach AdamW": "foreach"}  # the bare loop's AdamW where not fused
 
 
 def torchrun(script: Path | str, *args: str, python: str = sys.executable) -> list[str]:
@@ -128,6 +130,7 @@ def measure(project: Path, settings: dict, chunks: int, chunk_steps: int, pairs:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name, overrides in settings.items():
+            os.environ["BARE_ADAMW"] = BARE_ADAMW.get(name, "fused")  # the launches below inherit it
             chunk = steady_state(project, overrides, Path(scratch), chunks, chunk_steps)
             pairs_of_chunks = list(zip(chunk["ours"], chunk["bare"], strict=True))
             ratios = [bare[0] / ours[0] for ours, bare in pairs_of_chunks]

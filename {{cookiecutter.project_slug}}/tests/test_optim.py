@@ -58,3 +58,14 @@ def test_norms_and_biases_are_not_decayed():
     decayed, plain = optim.build_optimizer(model, lr=1e-3, weight_decay=0.1).param_groups
     assert [p.ndim for p in decayed["params"]] == [2] and decayed["weight_decay"] == 0.1
     assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0
+
+
+def test_adamw_runs_fused_on_cpu_and_decays_only_matrices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    optimizer = optim.build_optimizer(model, 1e-3, 0.01)
+    assert all(group["fused"] for group in optimizer.param_groups)  # one kernel instead of a loop over tensors
+    decayed, plain = optimizer.param_groups
+    assert [p.ndim for p in decayed["params"]] == [2] and decayed["weight_decay"] == 0.01
+    assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0  # bias, norm weight and bias
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # the fused CPU kernel exists in this torch
