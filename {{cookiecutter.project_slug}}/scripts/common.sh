@@ -14,5 +14,5 @@ fi
 # overrides), threads sized to the CPUs, and a stop signal (Ctrl-C, TERM, HUP, USR1) becomes a
 # checkpoint on every rank and exit status 75; a second one stops at once.
 launch_node() {
-  exec python -m {{ cookiecutter.package_name }}.launch "$@"
+  exec python -m {{ cookiecutter.package_name }}.tools.launch "$@"
 }

@@ -5,4 +5,4 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-launch_node --standalone -m {{ cookiecutter.package_name }}.smoke --config "$PROJECT_ROOT/configs/smoke.yaml" "$@"
+launch_node --standalone -m {{ cookiecutter.package_name }}.tools.smoke --config "$PROJECT_ROOT/configs/smoke.yaml" "$@"

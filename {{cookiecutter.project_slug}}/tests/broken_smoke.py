@@ -8,7 +8,7 @@ import sys
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from {{ cookiecutter.package_name }} import smoke
+from {{ cookiecutter.package_name }}.tools import smoke
 
 
 def skip_allreduce(process_group, bucket):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import launch
+from {{ cookiecutter.package_name }}.tools import launch
 
 PROJECT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package_name }}"

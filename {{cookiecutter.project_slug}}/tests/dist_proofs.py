@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import checks, config, dist, loaders, preemption, task, train
-from {{ cookiecutter.package_name }}.checks import FAIL, PASS
+from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.smoke import CommCounter, counting_allreduce_hook
+from {{ cookiecutter.package_name }}.tools import checks
+from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
+from {{ cookiecutter.package_name }}.tools.smoke import CommCounter, counting_allreduce_hook
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 # of the step's largest gradient: float32 rounding, as the ranks add in another order than one process

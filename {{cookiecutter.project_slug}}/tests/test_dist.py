@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import PROJECT, Writes, project_env, run, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import dist, launch, preemption
+from {{ cookiecutter.package_name }} import dist, preemption
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.tools import launch
 
 TORCHRUN_ENV = {
     "RANK": "9",

@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, TINY, run, torchrun
 
-from {{ cookiecutter.package_name }} import checks, config, loaders, task
-from {{ cookiecutter.package_name }}.checks import FAIL
+from {{ cookiecutter.package_name }} import config, loaders, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.tools import checks
+from {{ cookiecutter.package_name }}.tools.checks import FAIL
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import PACKAGE, needs_cuda, needs_gpus, project_env, run, torchrun
 
-from {{ cookiecutter.package_name }} import dist, hardware, launch
+from {{ cookiecutter.package_name }} import dist
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.launch import LaunchError
+from {{ cookiecutter.package_name }}.tools import hardware, launch
+from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
 
 @needs_cuda
@@ -21,7 +22,7 @@ def test_the_launcher_counts_the_gpus_cuda_shows_and_refuses_more_processes():
     assert launch.processes_per_node(None, count, count)[0] == count
     with pytest.raises(LaunchError):
         launch.processes_per_node(str(count + 1), count, count)
-    command = [sys.executable, "-m", f"{PACKAGE}.launch", "--standalone", "-m", f"{PACKAGE}.train"]
+    command = [sys.executable, "-m", f"{PACKAGE}.tools.launch", "--standalone", "-m", f"{PACKAGE}.train"]
     result = run(command, env=project_env(NPROC_PER_NODE=str(count + 1)), timeout=60, check=False)
     assert result.returncode == 2 and f"NPROC_PER_NODE<={count}" in result.stderr
 
@@ -47,7 +48,8 @@ def test_the_bf16_rule_matches_the_device():
 NO_CONTEXT_ON_GPU_0 = """
 import ctypes
 import torch
-from {{ cookiecutter.package_name }} import dist, hardware
+from {{ cookiecutter.package_name }} import dist
+from {{ cookiecutter.package_name }}.tools import hardware
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 info = DistInfo.from_env()
@@ -81,7 +83,8 @@ def test_checking_and_binding_rank_1_opens_no_context_on_gpu_0(tmp_path):
 BOUND_BEFORE_INIT = """
 import torch
 import torch.distributed as torch_dist
-from {{ cookiecutter.package_name }} import dist, hardware
+from {{ cookiecutter.package_name }} import dist
+from {{ cookiecutter.package_name }}.tools import hardware
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 info = DistInfo.from_env()

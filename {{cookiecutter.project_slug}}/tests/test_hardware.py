@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import checks, hardware, train
-from {{ cookiecutter.package_name }}.hardware import Gpu
+from {{ cookiecutter.package_name }} import train
+from {{ cookiecutter.package_name }}.tools import checks, hardware
+from {{ cookiecutter.package_name }}.tools.hardware import Gpu
 
 
 @pytest.mark.parametrize(

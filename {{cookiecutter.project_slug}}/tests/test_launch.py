@@ -9,8 +9,9 @@ import time
 import pytest
 from conftest import PROJECT, project_env
 
-from {{ cookiecutter.package_name }} import launch, preemption
-from {{ cookiecutter.package_name }}.launch import LaunchError
+from {{ cookiecutter.package_name }} import preemption
+from {{ cookiecutter.package_name }}.tools import launch
+from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
 
 @pytest.mark.parametrize(

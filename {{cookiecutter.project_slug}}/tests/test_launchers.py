@@ -158,7 +158,7 @@ def test_smoke_config_keeps_loss_records():
 
 
 def diagnose(*args, **kwargs):
-    return run([sys.executable, "-m", f"{PACKAGE}.diagnose", *args], **kwargs)
+    return run([sys.executable, "-m", f"{PACKAGE}.tools.diagnose", *args], **kwargs)
 
 
 def test_diagnose_unused_lists_an_unused_head():
@@ -215,4 +215,4 @@ def test_diagnose_scaling_reports_speedup_and_split(tmp_path):
         data, fwd_bwd, optimizer, other, step = map(float, cells)
         assert fwd_bwd > 0 and optimizer > 0 and data + fwd_bwd + optimizer + other == pytest.approx(step, abs=0.05)
     assert (kept / "scale1" / "metrics.jsonl").exists() and (kept / "scale2" / "metrics.jsonl").exists()
-    assert f"{PACKAGE}.report {kept}/scale1 {kept}/scale2" in out
+    assert f"{PACKAGE}.tools.report {kept}/scale1 {kept}/scale2" in out

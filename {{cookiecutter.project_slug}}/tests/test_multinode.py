@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, train_losses, wait_for
 
-from {{ cookiecutter.package_name }} import checkpoint, launch, preemption
+from {{ cookiecutter.package_name }} import checkpoint, preemption
+from {{ cookiecutter.package_name }}.tools import launch
 
 pytestmark = [
     pytest.mark.slow,

@@ -8,8 +8,8 @@ from conftest import torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.profiling import profile_window
 from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.tools.profiling import profile_window
 
 
 def info(rank: int) -> DistInfo:

@@ -1,4 +1,4 @@
-"""`python -m <package>.report`: a figure and a summary whose figures are those of metrics.jsonl."""
+"""`python -m <package>.tools.report`: a figure and a summary whose figures are those of metrics.jsonl."""
 
 import json
 import sys
@@ -7,7 +7,8 @@ import pytest
 import yaml
 from conftest import PACKAGE, read_metrics, run, train_args
 
-from {{ cookiecutter.package_name }} import report, task
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.tools import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -72,7 +73,7 @@ def test_two_runs_on_one_figure(tmp_path):
 @pytest.mark.slow
 def test_report_of_a_real_run_matches_its_metrics(tmp_path):
     run([sys.executable, *train_args(tmp_path, "train.max_steps=null", "run.log_every=16")])  # 2 epochs, 2 evals
-    result = run([sys.executable, "-m", f"{PACKAGE}.report", str(tmp_path / "smoke")])
+    result = run([sys.executable, "-m", f"{PACKAGE}.tools.report", str(tmp_path / "smoke")])
     assert (tmp_path / "smoke" / "report.png").read_bytes().startswith(PNG_SIGNATURE)
     assert "report.png" in result.stdout and "report.md" in result.stdout
     text = (tmp_path / "smoke" / "report.md").read_text()

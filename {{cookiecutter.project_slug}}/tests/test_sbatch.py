@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, run, wait_for
 
-from {{ cookiecutter.package_name }} import launch
+from {{ cookiecutter.package_name }}.tools import launch
 
 SBATCH = PROJECT / "scripts" / "train.sbatch"
 
@@ -130,7 +130,7 @@ def test_sbatch_builds_the_launch_command(tmp_path):
     args = srun_args(tmp_path)
     assert args[0] == "--kill-on-bad-exit=1" and "--ntasks-per-node=1" in args
     assert "--cpus-per-task=64" in args  # srun does not inherit it from sbatch (Slurm >= 22.05)
-    assert args[args.index("-m") + 1] == f"{PACKAGE}.launch"  # each node counts its own GPUs
+    assert args[args.index("-m") + 1] == f"{PACKAGE}.tools.launch"  # each node counts its own GPUs
     assert not any(a.startswith("--nproc") for a in args)  # not the planned count
     assert "--nnodes=2" in args and "--rdzv-backend=c10d" in args and "--rdzv-id=4242" in args
     assert "--max-restarts=3" in args

@@ -7,9 +7,10 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import config, loaders, preflight, task, train
+from {{ cookiecutter.package_name }} import config, loaders, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.preflight import TaskError
+from {{ cookiecutter.package_name }}.tools import preflight
+from {{ cookiecutter.package_name }}.tools.preflight import TaskError
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")

@@ -13,7 +13,7 @@ from {{ cookiecutter.package_name }}.rules import ConfigError
 pytest.importorskip("tensorboard", reason="TensorBoard is optional: pip install tensorboard (the viz extra)")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from {{ cookiecutter.package_name }} import tensorboard as board  # noqa: E402  (after the skip)
+from {{ cookiecutter.package_name }}.tools import tensorboard as board  # noqa: E402  (after the skip)
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 

@@ -24,9 +24,10 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import checkpoint, config, hardware, preemption, records, task, train
+from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.task import build_model
+from {{ cookiecutter.package_name }}.tools import hardware
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 
@@ -127,12 +128,12 @@ def test_evaluate_gives_a_checkpoint_the_metrics_its_training_run_logged(tmp_pat
     logged = {e["step"]: e for e in records.of_kind(read_metrics(tmp_path / "smoke"), records.EVAL)}
     run_dir = tmp_path / "smoke"
     # the run directory's latest checkpoint, on 2 ranks as it was trained: the same sums, bit for bit
-    torchrun("-m", f"{PACKAGE}.evaluate", str(run_dir))
+    torchrun("-m", f"{PACKAGE}.tools.evaluate", str(run_dir))
     same_world = json.loads((run_dir / "evaluations" / "step_00000040.json").read_text())
     metrics = [key for key in logged[40] if key.startswith("eval_")]
     assert {key: same_world[key] for key in metrics} == {key: logged[40][key] for key in metrics}
     # an earlier checkpoint on one process: other batches, the same samples each counted once
-    one = run([sys.executable, "-m", f"{PACKAGE}.evaluate", str(run_dir / "checkpoints" / "step_00000020.pt")])
+    one = run([sys.executable, "-m", f"{PACKAGE}.tools.evaluate", str(run_dir / "checkpoints" / "step_00000020.pt")])
     alone = json.loads((run_dir / "checkpoints" / "step_00000020.eval.json").read_text())
     assert "eval step 20 | epoch 0 |" in one.stdout and alone["eval_samples"] == logged[20]["eval_samples"]
     assert {key: alone[key] for key in metrics} == pytest.approx({key: logged[20][key] for key in metrics}, rel=1e-5)
@@ -179,7 +180,7 @@ def test_cuda_run_binds_its_device_and_uses_nccl(tmp_path):
 def test_sync_batchnorm_is_converted_before_ddp_on_gpus(tmp_path):
     result = torchrun(
         "-m",
-        f"{PACKAGE}.smoke",
+        f"{PACKAGE}.tools.smoke",
         "--config",
         str(PROJECT / "configs" / "smoke.yaml"),
         "train.sync_batchnorm=true",

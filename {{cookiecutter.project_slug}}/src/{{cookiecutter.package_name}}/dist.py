@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from . import launch, preemption
+from . import preemption
 from .rules import ConfigError
+from .tools import launch
 
 Built = TypeVar("Built")
 

@@ -13,8 +13,8 @@ from tqdm import tqdm
 
 from . import records
 from .dist import DistInfo, all_reduce_sum
-from .profiling import ProfileWindow, StepClock
-from .tensorboard import Board
+from .tools.profiling import ProfileWindow, StepClock
+from .tools.tensorboard import Board
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, dist, hardware, loaders, optim, preemption, task, tensorboard
+from . import checkpoint, config, dist, loaders, optim, preemption, task
 from .checkpoint import TrainState
 from .config import Config
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
-from .preflight import check_declared_terms, check_task
-from .profiling import profile_window
 from .rules import ConfigError
+from .tools import hardware, tensorboard
+from .tools.preflight import check_declared_terms, check_task
+from .tools.profiling import profile_window
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

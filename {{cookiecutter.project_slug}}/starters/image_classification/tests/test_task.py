@@ -10,7 +10,8 @@ import torch
 from conftest import PACKAGE, SMOKE_CONFIG, TINY, read_metrics, run, torchrun, train_args
 from PIL import Image
 
-from {{ cookiecutter.package_name }} import config, data, loaders, model, preflight, shapes, task, train
+from {{ cookiecutter.package_name }} import config, data, loaders, model, shapes, task, train
+from {{ cookiecutter.package_name }}.tools import preflight
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")

@@ -1,8 +1,8 @@
 """The node launcher behind scripts/*.sh and scripts/train.sbatch: run it once per node.
 
-    python -m {{ cookiecutter.package_name }}.launch [torchrun options] -m MODULE [arguments]
-    python -m {{ cookiecutter.package_name }}.launch free-port SEED    # a free port for this node's rendezvous
-    python -m {{ cookiecutter.package_name }}.launch preempted-exit-code   # 75, for scripts that requeue on it
+    python -m {{ cookiecutter.package_name }}.tools.launch [torchrun options] -m MODULE [arguments]
+    python -m {{ cookiecutter.package_name }}.tools.launch free-port SEED    # a free port for this node's rendezvous
+    python -m {{ cookiecutter.package_name }}.tools.launch preempted-exit-code   # 75, for scripts that requeue on it
 
 It plans the node, then runs torchrun and stays with it:
 - processes: NPROC_PER_NODE, by default one per GPU that CUDA shows this process (which honours
@@ -36,7 +36,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from .preemption import (
+from ..preemption import (
     MARKER_ENV,
     PREEMPTED_EXIT_CODE,
     STOP_SIGNALS,

@@ -1,8 +1,8 @@
 """Evaluate a checkpoint on the eval set, as training evaluates: every sample once, sums in float64.
 
-    python -m {{ cookiecutter.package_name }}.evaluate runs/default                         # the run's latest checkpoint
-    python -m {{ cookiecutter.package_name }}.evaluate runs/default/checkpoints/step_00000500.pt data.batch_size=64
-    torchrun --standalone --nproc_per_node=2 -m {{ cookiecutter.package_name }}.evaluate runs/default
+    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default                         # the run's latest checkpoint
+    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default/checkpoints/step_00000500.pt data.batch_size=64
+    torchrun --standalone --nproc_per_node=2 -m {{ cookiecutter.package_name }}.tools.evaluate runs/default
 
 The settings are the checkpoint's own, changed by any `section.key=value` overrides (another
 eval set through the dataset settings, say). The model is built and wrapped as training wraps
@@ -18,10 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from . import checkpoint, config, dist, loaders, metrics, task, train
-from .config import Config
-from .dist import DistInfo
-from .rules import ConfigError
+from .. import checkpoint, config, dist, loaders, metrics, task, train
+from ..config import Config
+from ..dist import DistInfo
+from ..rules import ConfigError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,8 +1,8 @@
 """Diagnostics for the usual DDP pitfalls.
 
-    python -m {{ cookiecutter.package_name }}.diagnose doctor    # environment: versions, GPUs, ports, CPUs, /dev/shm
-    python -m {{ cookiecutter.package_name }}.diagnose unused    # parameters that get no gradient
-    python -m {{ cookiecutter.package_name }}.diagnose scaling   # speedup, efficiency and time split, 1 vs N processes
+    python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # environment: versions, GPUs, ports, CPUs, /dev/shm
+    python -m {{ cookiecutter.package_name }}.tools.diagnose unused    # parameters that get no gradient
+    python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup, efficiency and time split, 1 vs N processes
 Each takes --config and section.key=value overrides like training does.
 """
 
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from . import checks, config, dist, hardware, launch, loaders, records, task
+from .. import config, dist, loaders, records, task
+from ..config import Config
+from ..dist import DistInfo, cpus_available
+from . import checks, hardware, launch
 from .checks import PASS, WARN
-from .config import Config
-from .dist import DistInfo, cpus_available
 from .profiling import SPLIT
 
 INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")

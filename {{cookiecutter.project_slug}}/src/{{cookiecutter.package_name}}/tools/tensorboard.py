@@ -12,9 +12,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from . import records
-from .dist import DistInfo, print0
-from .rules import ConfigError
+from .. import records
+from ..dist import DistInfo, print0
+from ..rules import ConfigError
 
 INSTALL = "pip install tensorboard (or the project's viz extra)"
 

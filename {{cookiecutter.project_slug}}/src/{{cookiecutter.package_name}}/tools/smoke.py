@@ -1,7 +1,7 @@
 """The multi-GPU acceptance check: is DDP wired correctly on this machine?
 
     scripts/smoke.sh                     # every local GPU, or 2 CPU processes without GPUs
-    torchrun --standalone --nproc_per_node=4 -m {{ cookiecutter.package_name }}.smoke --config configs/smoke.yaml
+    torchrun --standalone --nproc_per_node=4 -m {{ cookiecutter.package_name }}.tools.smoke --config configs/smoke.yaml
 
 Runs a short training with the project's own code and prints a PASS/FAIL/SKIP table on
 rank 0; exits 1 if any check fails. Every check runs on every rank (they gather results),
@@ -20,9 +20,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, checks, config, dist, hardware, preemption, records, task, train
+from .. import checkpoint, config, dist, preemption, records, task, train
+from ..dist import DistInfo
+from . import checks, hardware
 from .checks import FAIL, INFO, PASS, SKIP
-from .dist import DistInfo
 
 
 def digest(tensors) -> str:
