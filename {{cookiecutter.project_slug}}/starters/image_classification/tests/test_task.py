@@ -11,8 +11,8 @@ from conftest import PACKAGE, SMOKE_CONFIG, TINY, read_metrics, run, torchrun, t
 from PIL import Image
 
 from {{ cookiecutter.package_name }} import config, data, loaders, model, shapes, task, train
-from {{ cookiecutter.package_name }}.tools import preflight
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.tools import preflight
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 

@@ -14,9 +14,9 @@ import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config, data, loaders, prepare, sample, task
-from {{ cookiecutter.package_name }}.tools import preflight
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import training_flops_per_token
+from {{ cookiecutter.package_name }}.tools import preflight
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import exit_on_user_error
-from .rules import ConfigError
 from .data import BYTE_VOCABULARY, META, SPLITS, built_in_corpus
+from .rules import ConfigError
 
 BYTES = "bytes"
 

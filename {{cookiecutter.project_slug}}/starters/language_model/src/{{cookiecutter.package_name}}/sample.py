@@ -18,10 +18,10 @@ import torch
 
 from . import checkpoint, config
 from .config import exit_on_user_error
-from .rules import ConfigError
 from .data import read_meta
 from .model import build_model
 from .prepare import BYTES, load_tokenizer
+from .rules import ConfigError
 
 
 @torch.no_grad()
