@@ -106,7 +106,7 @@ def test_a_rank_without_a_gpu_of_its_own_is_refused(monkeypatch, local_rank, loc
     assert (problem is None) == ok
     if not ok:
         assert f"{visible} GPU(s) visible" in problem and "NPROC_PER_NODE" in problem
-        with pytest.raises(RuntimeError, match="GPU"):
+        with pytest.raises(ConfigError, match="GPU"):
             dist.bind_device(info)
 
 

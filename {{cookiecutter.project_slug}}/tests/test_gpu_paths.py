@@ -11,6 +11,7 @@ from conftest import PACKAGE, needs_cuda, needs_gpus, project_env, run, torchrun
 
 from {{ cookiecutter.package_name }} import dist
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.tools import hardware, launch
 from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
@@ -32,7 +33,7 @@ def test_a_rank_beyond_the_gpus_is_refused_before_binding():
     count = torch.cuda.device_count()
     info = DistInfo(count, count, count + 1, count + 1, torch.device("cuda", count), "nccl")
     assert f"{count} GPU(s) visible" in dist.device_problem(info)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ConfigError):
         dist.bind_device(info)
 
 

@@ -149,7 +149,7 @@ sys.exit(subprocess.call([sys.executable, "-c", worker]))
 def test_a_stop_reaches_the_workers_and_ends_with_75_or_130_for_ctrl_c(stop):
     script = (
         "import signal, sys\n"
-        "from {{ cookiecutter.package_name }} import launch\n"
+        "from {{ cookiecutter.package_name }}.tools import launch\n"
         f"sys.exit(launch.Supervisor([sys.executable, '-c', {FAKE_TORCHRUN!r}], dict()).run())\n"
     )
     supervisor = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT, env=project_env())

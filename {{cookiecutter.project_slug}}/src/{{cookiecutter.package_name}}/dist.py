@@ -82,11 +82,12 @@ def device_problem(info: DistInfo) -> str | None:
 
 def bind_device(info: DistInfo) -> None:
     """Make this rank's GPU the current device; call it before anything touches CUDA:
-    unbound, every rank opens a context (and allocates) on GPU 0."""
+    unbound, every rank opens a context (and allocates) on GPU 0. The one place that checks a
+    rank has a GPU of its own (a ConfigError naming the fix); binding again is free."""
     if info.device.type == "cuda":
         problem = device_problem(info)
         if problem:
-            raise RuntimeError(problem)
+            raise ConfigError(problem)
         torch.cuda.set_device(info.device)
 
 

@@ -61,10 +61,8 @@ def main(argv=None) -> int:
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:
     """On this rank's own GPU, before any collective: every rank finds the same problem and exits alone."""
-    problem = dist.device_problem(info)
-    if problem is None:
-        dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
-        problem = hardware.precision_problem(cfg.train.precision, info.device)
+    dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
+    problem = hardware.precision_problem(cfg.train.precision, info.device)
     if problem:
         raise ConfigError(problem)
 

@@ -30,6 +30,8 @@ from .profiling import SPLIT
 
 INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
 
+PROJECT_PACKAGE = __package__.rpartition(".")[0]  # the package above tools/
+
 
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -132,7 +134,7 @@ def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int, out_dir
                 "--standalone",
                 f"--nproc_per_node={n}",
                 "-m",
-                f"{__package__}.train",
+                f"{PROJECT_PACKAGE}.train",
                 "--config",
                 cfg_path,
                 *overrides,
