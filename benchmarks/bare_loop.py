@@ -4,6 +4,7 @@ Same model, data, sampler, optimizer, schedule, precision, accumulation and clip
 project (it reads the same config file); none of the project's training code.
 """
 
+import gc
 import os
 import time
 from contextlib import nullcontext
@@ -72,13 +73,17 @@ class BareLoop:
 
 def main():
     cfg = load_settings()
+    import torch._dynamo  # noqa: F401  (DDP imports it; before the group, or it keeps the group alive)
+
     dist.init_process_group("gloo")
     loop, step_times = BareLoop(cfg), []
     loop.sampler.set_epoch(0)
     loop.run(cfg.train.max_steps, step_times)
     write_timings(step_times)
     dist.barrier()
+    del loop  # its DDP model holds the group: free it, and gloo's threads, before Python shuts down
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ load hit both alike. Rank 0 writes the chunk times (wall, CPU) to $BENCH_TIMINGS
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as torch_dist
 from bare_loop import BareLoop
-from ddp_trainer import checkpoint, config, dist, train
+from ddp_trainer import config, dist, preemption, train
 from ddp_trainer.dist import DistInfo
 
 
@@ -42,15 +43,19 @@ def main():
     args = parser.parse_args()
     cfg = config.load(args.config, args.overrides)
     info = DistInfo.from_env()
-    dist.init(info, cfg.dist.timeout_minutes)
+    return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: alternate(args, cfg, info))
+
+
+def alternate(args: argparse.Namespace, cfg: config.Config, info: DistInfo) -> int:
     job = train.build(cfg, info)  # sets the threads per rank (1 here) as a real run does
     bare = BareLoop(cfg)
     log = train.training_log(job, cfg, info)
-    never_preempted = checkpoint.PreemptionFlag(signals=())
+    never_preempted = preemption.PreemptionFlag(signals=())
+    unchecked_loss = torch.zeros((), dtype=torch.float64)  # the loop's NaN check, as fit() keeps it
 
     def ours():
         job.total_steps = job.state.step + args.chunk_steps  # the chunk ends like a run at its last step
-        train.train_one_epoch(job, cfg, info, log, never_preempted)
+        train.train_one_epoch(job, cfg, info, log, never_preempted, unchecked_loss)
 
     def baseline():
         bare.run(args.chunk_steps)
@@ -65,8 +70,8 @@ def main():
         with open(os.environ["BENCH_TIMINGS"], "w") as f:
             json.dump({"chunk_steps": args.chunk_steps, **times}, f)
     log.close()
-    dist.teardown(info)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -173,12 +173,13 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemptio
     if cfg.train.eval_at_start and state.step == 0:
         run_evaluation(job, cfg, info, log)  # the baseline: the untrained model
     outcome = None
+    unchecked_loss = torch.zeros((), dtype=torch.float64, device=info.device)  # this rank's, since the last check
     while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
         job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch
         if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
             job.train_loader.dataset.set_epoch(state.epoch)
         job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
-        outcome = train_one_epoch(job, cfg, info, log, stop)
+        outcome = train_one_epoch(job, cfg, info, log, stop, unchecked_loss)
         if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.train.eval_every is None):
             run_evaluation(job, cfg, info, log)
         if outcome is Outcome.EPOCH_END:
@@ -239,17 +240,17 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.M
     return model, eval_model
 
 
-def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemption.PreemptionFlag):
+def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop, unchecked_loss: torch.Tensor):
     """Optimizer steps until the epoch ends, total_steps, or a preemption request reaches every rank.
 
     At every log step and before every checkpoint the ranks agree on one StepStatus: a NaN/inf
-    loss stops the run before anything is written from it, and a stop request ends the epoch.
+    loss (summed into `unchecked_loss` since the last check) stops the run before anything is
+    written from it, and a stop request (`stop`, a preemption.PreemptionFlag) ends the epoch.
     """
     state, accum, clock, profiler = job.state, cfg.train.grad_accum_steps, log.clock, log.profiler
     every_eval, every_save = cfg.train.eval_every, cfg.checkpoint.every_steps
     job.model.train()
     batches = iter(job.train_loader)
-    unchecked_loss = torch.zeros((), dtype=torch.float64, device=info.device)  # summed since the last check
     for _ in range(len(job.train_loader) // accum):  # a partial accumulation is dropped
         with clock.data_wait:
             micro_batches = [next(batches) for _ in range(accum)]
@@ -269,7 +270,7 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, sto
             log.flush(state.step, state.epoch, state.scheduler.get_last_lr()[0])
         if logs or saves:
             status = StepStatus.reduced(unchecked_loss, stop.requested, info)
-            check_finite(status, state.step - log_window(state.step, cfg), state.step, cfg)
+            check_finite(status, state.step - steps_since_check(state.step, cfg), state.step, cfg)
             unchecked_loss.zero_()
             if status.stop_requested:
                 return Outcome.PREEMPTED
@@ -297,8 +298,8 @@ class StepStatus:
         return cls(losses_finite=math.isfinite(loss), stop_requested=stops > 0)
 
 
-def log_window(step: int, cfg: Config) -> int:
-    """Steps since the previous check before `step`: the previous log step or checkpoint."""
+def steps_since_check(step: int, cfg: Config) -> int:
+    """Steps from the check before `step` (the previous log step or checkpoint) to `step`."""
     since_log = (step - 1) % cfg.run.log_every + 1
     since_save = (step - 1) % cfg.checkpoint.every_steps + 1
     return min(since_log, since_save)
