@@ -1,8 +1,8 @@
 """Diagnostics for the usual DDP pitfalls.
 
-    python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # environment: versions, GPUs, ports, CPUs, /dev/shm
+    python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # versions, GPUs, ports, CPUs, /dev/shm
     python -m {{ cookiecutter.package_name }}.tools.diagnose unused    # parameters that get no gradient
-    python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup, efficiency and time split, 1 vs N processes
+    python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup and time split, 1 vs N processes
 Each takes --config and section.key=value overrides like training does.
 """
 

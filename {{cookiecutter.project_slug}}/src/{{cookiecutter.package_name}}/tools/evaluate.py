@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on the eval set, as training evaluates: every sample once, sums in float64.
 
-    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default                         # the run's latest checkpoint
-    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default/checkpoints/step_00000500.pt data.batch_size=64
+    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default     # the run's latest checkpoint
+    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default/checkpoints/step_00000500.pt
     torchrun --standalone --nproc_per_node=2 -m {{ cookiecutter.package_name }}.tools.evaluate runs/default
 
 The settings are the checkpoint's own, changed by any `section.key=value` overrides (another

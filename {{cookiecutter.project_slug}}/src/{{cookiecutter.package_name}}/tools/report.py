@@ -1,7 +1,7 @@
 """Curves and a summary of a run, or of several runs side by side.
 
-    python -m {{ cookiecutter.package_name }}.tools.report runs/default          # runs/default/report.png and report.md
-    python -m {{ cookiecutter.package_name }}.tools.report runs/a runs/b --out cmp  # both runs on the same axes
+    python -m {{ cookiecutter.package_name }}.tools.report runs/default          # report.png and report.md
+    python -m {{ cookiecutter.package_name }}.tools.report runs/a runs/b --out cmp  # two runs on the same axes
 
 Reads each run's metrics.jsonl and config.yaml. report.png shows train and eval loss, the
 other eval metrics, learning rate, throughput and where the step time goes; report.md holds
