@@ -241,16 +241,17 @@ def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo, confi
     if setting == "never":
         return None
     if setting == "auto":
-        chosen = newest_loadable(run_dir)[0] if info.is_main else None
+        chosen, payload = newest_loadable(run_dir) if info.is_main else (None, None)
         chosen = dist.broadcast_object(chosen)  # collective: all ranks, outside the branch
         if chosen is None:
             return None
+        payload = payload or load_file(chosen)  # rank 0 loaded it while choosing
     else:
         chosen = Path(setting)
-    payload = load_file(chosen)
-    problem = nonfinite_problem(chosen, payload)
-    if problem:
-        raise ConfigError(f"checkpoint.resume: {problem}; pass an earlier checkpoint or checkpoint.resume=auto")
+        payload = load_file(chosen)
+        problem = nonfinite_problem(chosen, payload)
+        if problem:
+            raise ConfigError(f"checkpoint.resume: {problem}; pass an earlier checkpoint or checkpoint.resume=auto")
     mismatch = model_mismatch(state.model, payload["model"])
     if mismatch:
         raise ConfigError(
