@@ -26,8 +26,9 @@ from torch.utils.data import default_collate
 
 from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.task import build_model
-from {{ cookiecutter.package_name }}.tools import hardware
+from {{ cookiecutter.package_name }}.tools import evaluate, hardware
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 
@@ -120,6 +121,15 @@ def test_eval_every_keeps_its_schedule_across_a_resume_and_counts_every_sample(t
     assert [e["step"] for e in evals] == [0, 20, 40, 50, 60, 80, 90]
     eval_set = task.build_datasets(config.load(SMOKE_CONFIG, TINY))[1]
     assert {e["eval_samples"] for e in evals} == {len(eval_set)}
+
+
+def test_evaluate_names_what_to_pass_when_the_target_holds_no_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist: pass a run directory"):
+        evaluate.checkpoint_of(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        evaluate.checkpoint_of(tmp_path)  # a directory, but not a run's
+    written = evaluate.output_of(tmp_path, tmp_path / "checkpoints" / "step_00000020.pt", None)
+    assert written == tmp_path / "evaluations" / "step_00000020.json"  # a run directory's evaluations/
 
 
 @pytest.mark.slow

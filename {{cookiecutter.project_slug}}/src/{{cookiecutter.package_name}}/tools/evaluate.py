@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .. import checkpoint, config, dist, loaders, metrics, task, train
@@ -34,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def checkpoint_of(target: Path) -> Path:
     """The checkpoint file `target` names: itself, or a run directory's latest."""
+    if not target.exists():
+        raise ConfigError(f"{target} does not exist: pass a run directory (runs/<name>) or a checkpoint file")
     if not target.is_dir():
         return target
     latest = checkpoint.checkpoint_dir(target) / "latest"
@@ -74,7 +77,8 @@ def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: l
     raw_model.load_state_dict(payload["model"])
     workers = loaders.resolve_workers(cfg, dist.cpus_available(), info.local_world_size)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
-    _, eval_model = train.wrap(raw_model, cfg, info)
+    # as training wraps it (device, compile), less SyncBatchNorm: evaluation uses running statistics
+    _, eval_model = train.wrap(raw_model, replace(cfg, train=replace(cfg.train, sync_batchnorm=False)), info)
     results = train.evaluate(eval_model, eval_loader, cfg, info)
     dist.print0(info, metrics.evaluation_line(payload["step"], payload["epoch"], results))
     if info.is_main:
