@@ -55,6 +55,7 @@ COMMON_FILES = {
     "tests/test_task.py",
     "tests/test_tensorboard.py",
     "tests/test_train.py",
+    "tests/test_wiring.py",
 }
 PACKAGE_FILES = {
     "__init__.py",
@@ -138,6 +139,9 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     batch_norm = answers.get("task", "classifier") != "language_model"  # the language model has none
     assert config["train"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm)
     assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
+    tests = "\n".join(path.read_text() for path in (project / "tests").glob("*.py"))
+    for name in set(re.findall(r"::(test_\w+)", (project / "README.md").read_text())):
+        assert f"def {name}(" in tests, f"README.md names {name}, which the project's tests do not define"
     for script in (project / "scripts").glob("*.sh"):
         if script.name != "common.sh":
             assert script.stat().st_mode & stat.S_IXUSR

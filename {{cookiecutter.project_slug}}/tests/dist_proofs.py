@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset, Subset
 
 from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -142,6 +143,8 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
     return {
         "gradient_error": reference_gradient_error(cfg, info.world_size, recorded),
+        # after the run's last evaluation: each rank's buffers (BatchNorm statistics of its own batches) or rank 0's
+        "buffers": dist.all_gather_objects([buffer.double().sum().item() for buffer in job.state.model.buffers()]),
         "steps": job.state.step,
         "buckets_per_sync": counter.buckets_per_sync,
         "micro_batches": steps * accum,
@@ -184,14 +187,70 @@ def prove_same_initial_weights(overrides: list[str]) -> dict:
     return {"checksums": dist.all_gather_objects(checksum)}
 
 
-def prove_unequal_lengths_fail_on_every_rank(info: DistInfo) -> dict:
+@contextmanager
+def datasets_replaced(make):
+    """The task's datasets as `make(train_set, eval_set)` returns them, through the seam."""
+    build_datasets = task.build_datasets
+    task.build_datasets = lambda cfg: make(*build_datasets(cfg))
     try:
-        loaders.check_equal_lengths(10 + info.rank, info)
+        yield
+    finally:
+        task.build_datasets = build_datasets
+
+
+def prove_unequal_lengths_stop_the_build(out: Path, overrides: list[str], info: DistInfo) -> dict:
+    """A rank whose training set is shorter (another copy of the data on its node) would run
+    fewer steps and leave the others waiting in an all-reduce: train.build stops every rank."""
+    cfg = exact_config(out, overrides, "run.name=unequal")
+    short = 2 * cfg.data.batch_size * info.world_size * info.rank  # rank r: 2r batches fewer
+
+    def shorter_on_later_ranks(train_set, eval_set):
+        return Subset(train_set, range(len(train_set) - short)), eval_set
+
+    try:
+        with datasets_replaced(shorter_on_later_ranks):
+            train.build(cfg, info)
     except RuntimeError as err:
         message = str(err)
     else:
         message = ""
     return {"messages": dist.all_gather_objects(message)}
+
+
+class Recorded(Dataset):
+    """The first `size` samples of a dataset, keeping the index of every sample read."""
+
+    def __init__(self, dataset, size: int):
+        self.dataset, self.size, self.read = dataset, size, []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        self.read.append(index)
+        return self.dataset[index]
+
+    def __getattr__(self, name: str):  # set_epoch, when the task's dataset has one
+        return getattr(self.__dict__["dataset"], name)
+
+
+def prove_epochs_reshuffle(out: Path, overrides: list[str], info: DistInfo, epochs: int = 3) -> dict:
+    """The order each rank reads its shard in, epoch by epoch, in the loop's own run."""
+    cfg = exact_config(out, overrides, "run.name=epochs", "train.max_steps=null", f"train.epochs={epochs}")
+    per_epoch = 2 * cfg.data.batch_size  # each rank's shard: two steps an epoch
+    datasets = {}
+
+    def recorded(train_set, eval_set):
+        datasets["train"] = Recorded(train_set, per_epoch * info.world_size)
+        return datasets["train"], Subset(eval_set, range(info.world_size))
+
+    with datasets_replaced(recorded):
+        job = train.build(cfg, info)
+    datasets["train"].read.clear()  # the start-up checks read a few samples
+    with train.training_log(job, cfg, info) as log:
+        train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
+    read = datasets["train"].read
+    return {"orders": dist.all_gather_objects([read[e * per_epoch : (e + 1) * per_epoch] for e in range(epochs)])}
 
 
 def prove_wrapping(overrides: list[str], info: DistInfo) -> dict:
@@ -242,10 +301,24 @@ def verdicts(results: dict) -> list[checks.Row]:
     stopped = all("loader length differs" in message for message in results["unequal_lengths"]["messages"])
     outcome = "every rank raises" if stopped else "a rank ran on"
     rows.append((PASS if stopped else FAIL, "unequal loaders stop", outcome))
+    rows.append(reshuffle_verdict(results["epochs"]["orders"]))
     wrapping = results["wrapping"]
     wrapped = wrapping["is_ddp"] and wrapping["eval_model_is_unwrapped"]
     rows.append((PASS if wrapped else FAIL, "DDP wrapping", "train in DDP, evaluate unwrapped"))
     return rows
+
+
+def reshuffle_verdict(orders: list[list[list[int]]]) -> checks.Row:
+    """Each epoch splits the samples over the ranks, in a new order on every rank."""
+    what = "new order every epoch"
+    for epoch, shards in enumerate(zip(*orders, strict=True)):
+        indices = [index for shard in shards for index in shard]
+        if len(set(indices)) != len(indices):
+            return FAIL, what, f"epoch {epoch}: ranks read the same sample"
+    repeats = [rank for rank, epochs in enumerate(orders) if len({tuple(order) for order in epochs}) < len(epochs)]
+    if repeats:
+        return FAIL, what, f"rank {repeats[0]} reads an epoch in an order it read before: is sampler.set_epoch called?"
+    return PASS, what, f"{len(orders[0])} epochs on {len(orders)} ranks, each read once"
 
 
 def main() -> int:
@@ -277,7 +350,8 @@ def prove(args: argparse.Namespace, info: DistInfo) -> int:
             "accumulation": prove_ddp_equals_big_batch(args.out, args.overrides, info, accum=4, steps=4),
             "weighting": prove_unequal_terms_are_weighted_globally(args.out, args.overrides, info),
             "initial_weights": prove_same_initial_weights(args.overrides),
-            "unequal_lengths": prove_unequal_lengths_fail_on_every_rank(info),
+            "unequal_lengths": prove_unequal_lengths_stop_the_build(args.out, args.overrides, info),
+            "epochs": prove_epochs_reshuffle(args.out, args.overrides, info),
             "wrapping": prove_wrapping(args.overrides, info),
         }
     rows = verdicts(results)

@@ -15,7 +15,7 @@ from conftest import PROJECT, SMOKE_CONFIG, TINY, run, torchrun
 from {{ cookiecutter.package_name }} import config, loaders, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import checks
-from {{ cookiecutter.package_name }}.tools.checks import FAIL
+from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
 
@@ -38,7 +38,7 @@ def test_the_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(proofs_la
     result, _ = proofs_launch
     assert result.returncode == 0, result.stdout[-3000:]
     assert "proofs on 2 ranks: PASS (0 failed, 0 warnings)" in result.stdout
-    assert sum(line.startswith("PASS") for line in result.stdout.splitlines()) == 8
+    assert sum(line.startswith("PASS") for line in result.stdout.splitlines()) == 9
 
 
 def test_every_rank_leaves_no_thread_of_the_process_group_behind_at_exit(proofs_launch):
@@ -72,6 +72,12 @@ def test_ddp_on_two_ranks_equals_one_process_on_the_global_batch(proofs):
     assert result["gradient_error"] < dist_proofs.GRADIENT_TOLERANCE, dist_proofs.DRIFT  # float32 rounding
 
 
+def test_evaluation_uses_rank_0s_batchnorm_statistics_on_every_rank(proofs):
+    # the weights a checkpoint saves (rank 0's), not each rank's statistics of its own batches
+    first, second = proofs["equivalence"]["buffers"]
+    assert first == second
+
+
 def test_accumulation_with_no_sync_equals_one_big_batch(proofs):
     result = proofs["accumulation"]
     assert result["steps"] == 4
@@ -100,9 +106,20 @@ def test_every_rank_builds_the_same_initial_weights(proofs):
     assert first == second  # same seed on every rank, before the model is built
 
 
-def test_unequal_loader_lengths_fail_on_every_rank_instead_of_hanging(proofs):
-    messages = proofs["unequal_lengths"]["messages"]
-    assert all("train loader length differs across ranks (10..11 batches" in m for m in messages)
+def test_unequal_loader_lengths_stop_every_rank_at_start_up_instead_of_hanging(proofs):
+    messages = proofs["unequal_lengths"]["messages"]  # raised by train.build, the loop's own start-up
+    shard = len(task.build_datasets(config.load(SMOKE_CONFIG, TINY))[0]) // 2 // 16
+    assert all(f"train loader length differs across ranks ({shard - 2}..{shard} batches" in m for m in messages)
+
+
+def test_every_rank_reads_its_shard_in_a_new_order_each_epoch(proofs):
+    orders = proofs["epochs"]["orders"]  # what each rank read in the loop's own run, epoch by epoch
+    assert len(orders) == 2 and all(len(epochs) == 3 for epochs in orders)
+    for epochs in orders:
+        assert len({tuple(order) for order in epochs}) == 3  # sampler.set_epoch at every epoch
+    for shards in zip(*orders, strict=True):
+        assert sorted(shards[0] + shards[1]) == list(range(64))  # together, every sample once
+    assert dist_proofs.reshuffle_verdict(orders)[0] == PASS
 
 
 def test_ddp_wrapping_settings(proofs):
@@ -111,6 +128,12 @@ def test_ddp_wrapping_settings(proofs):
     assert wrapping["gradient_as_bucket_view"] is True
     assert wrapping["find_unused_parameters"] is False
     assert wrapping["bucket_bytes_cap"] == 7 * 1024 * 1024  # dist.bucket_cap_mb
+
+
+def test_eval_on_two_ranks_gives_the_metrics_of_one_process(proofs):
+    # global sums over ranks, not a mean of per-rank means: the ranks hold unequal shares of an odd-sized set
+    alone = dist_proofs.prove_eval_counts(list(TINY), dist_proofs.world_of_one())
+    assert proofs["eval"] == pytest.approx(alone, rel=1e-6)  # fp32 sums in another order
 
 
 @pytest.mark.task

@@ -62,9 +62,16 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: Dist
         prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,
     )
     # drop_last on the loader too: every rank runs the same number of full-size steps
-    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, **common)
-    eval_loader = DataLoader(eval_set, sampler=eval_sampler, drop_last=False, **common)
+    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, generator=own_rng(cfg, info), **common)
+    eval_loader = DataLoader(eval_set, sampler=eval_sampler, drop_last=False, generator=own_rng(cfg, info), **common)
     return train_loader, eval_loader
+
+
+def own_rng(cfg: Config, info: DistInfo) -> torch.Generator:
+    """A loader's own generator. Without one, every `iter(loader)` draws its workers' base seed
+    from torch's global generator, so a resumed run's first `iter` would shift the random
+    numbers after it (dropout masks) away from those of the run it continues."""
+    return torch.Generator().manual_seed(cfg.run.seed + info.rank)
 
 
 def first_samples(dataset: Dataset, loader: DataLoader, count: int):

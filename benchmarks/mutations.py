@@ -1,0 +1,354 @@
+"""The mutation score of the generated project's tests: remove one DDP practice from the code,
+with the smallest source change, and a test must fail.
+
+    python benchmarks/mutations.py [--only NAME ...] [--list] [--check] [--keep DIR]
+
+Bakes the default project, checks that its fast tier passes as baked, then for each mutant:
+copies the project, applies the change (its text must occur exactly once), runs the fast tier
+(`python -m pytest`) and, where nothing failed there, the slow tests named for the mutant.
+Prints a table (mutant, the practice, the tests that failed, seconds) and the score; exits 1
+if a mutant survived. About 30 s a mutant on 2 CPU cores; not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+from overhead import bake
+
+PACKAGE = Path("src") / "ddp_trainer"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    practice: str
+    path: Path  # in the baked project
+    old: str
+    new: str
+    slow: tuple[str, ...] = ()  # slow tests that catch it where the fast tier cannot
+
+    def changed(self, text: str) -> str:
+        if text.count(self.old) != 1:
+            raise SystemExit(f"{self.name}: the text to change occurs {text.count(self.old)} times in {self.path}")
+        return text.replace(self.old, self.new)
+
+    def apply(self, project: Path) -> None:
+        source = project / self.path
+        source.write_text(self.changed(source.read_text()))
+
+
+def in_package(module: str) -> Path:
+    return PACKAGE / f"{module}.py"
+
+
+TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST = (in_package(m) for m in ("train", "loaders", "optim", "checkpoint", "dist"))
+MUTANTS = [
+    Mutant(
+        "no timeout at init",
+        "P4 explicit timeout",
+        DIST,
+        "            timeout=timeout,\n            device_id=",
+        "            device_id=",
+    ),
+    Mutant(
+        "seed + rank",
+        "P5 same seed on every rank",
+        DIST,
+        "    torch.manual_seed(seed)\n",
+        "    torch.manual_seed(seed + int(os.environ.get('RANK', '0')))\n",
+    ),
+    Mutant(
+        "no seed before the model",
+        "P5 seeded after init, before the model",
+        TRAIN,
+        "    dist.seed_everything(cfg.run.seed)  # after init, before the model exists\n",
+        "",
+    ),
+    Mutant(
+        "sampler keeps the tail",
+        "P6/P8 drop_last in the sampler",
+        LOADERS,
+        "shuffle=True, seed=cfg.run.seed, drop_last=True",
+        "shuffle=True, seed=cfg.run.seed, drop_last=False",
+    ),
+    Mutant(
+        "loader keeps the tail",
+        "P8 drop_last in the loader",
+        LOADERS,
+        "sampler=train_sampler, drop_last=True",
+        "sampler=train_sampler, drop_last=False",
+    ),
+    Mutant(
+        "set_epoch not called",
+        "P7 set_epoch every epoch",
+        TRAIN,
+        "        job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch\n",
+        "",
+    ),
+    Mutant(
+        "equal-length check not called",
+        "P10 equal loader lengths checked",
+        TRAIN,
+        "    loaders.check_equal_lengths(len(train_loader), info)\n",
+        "",
+    ),
+    Mutant(
+        "no_sync not used",
+        "P16 accumulation with no_sync",
+        TRAIN,
+        "with nullcontext() if syncs or not info.distributed else job.model.no_sync():",
+        "with nullcontext():",
+    ),
+    Mutant(
+        "loss over local terms",
+        "P16/P26 loss weighted by the global count",
+        TRAIN,
+        "loss_scale = info.world_size / step_terms(local_terms, micro_batches, info)",
+        "loss_scale = 1 / local_terms",
+    ),
+    Mutant(
+        "epoch counted in micro-batches",
+        "P16 accumulation counts optimizer steps",
+        TRAIN,
+        "steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps",
+        "steps_per_epoch = len(train_loader)",
+    ),
+    Mutant(
+        "schedule counted in micro-batches",
+        "P16/P23 the schedule counts optimizer steps",
+        TRAIN,
+        "optim.build_scheduler(optimizer, cfg.train, total_steps, warmup)",
+        "optim.build_scheduler(optimizer, cfg.train, total_steps * cfg.train.grad_accum_steps, warmup)",
+    ),
+    Mutant(
+        "clip not applied",
+        "gradient clipping",
+        TRAIN,
+        "        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)\n",
+        "",
+    ),
+    Mutant(
+        "clip before unscale",
+        "P15 fp16: unscale before clipping",
+        TRAIN,
+        "        state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones\n",
+        "",
+    ),
+    Mutant(
+        "LR rule off in scaled_lr",
+        "P22 LR scaling",
+        OPTIM,
+        "        return lr * ratio\n",
+        "        return lr\n",
+    ),
+    Mutant(
+        "LR rule off at the call site",
+        "P22 LR scaling",
+        TRAIN,
+        "lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, cfg.train.lr_scaling)",
+        "lr = cfg.train.lr",
+    ),
+    Mutant(
+        "warmup off in build_scheduler",
+        "P23 warmup",
+        OPTIM,
+        "warmup = max(1, round(total_steps * warmup_share))",
+        "warmup = 1",
+    ),
+    Mutant(
+        "warmup off at the call site",
+        "P23 warmup",
+        TRAIN,
+        "optim.build_scheduler(optimizer, cfg.train, total_steps, warmup)",
+        "optim.build_scheduler(optimizer, cfg.train, total_steps, 0.0)",
+    ),
+    Mutant(
+        "checkpoint written in place",
+        "P25 atomic checkpoints",
+        CHECKPOINT,
+        '    tmp = path.with_name(f".{path.name}.tmp")\n    with open(tmp, "wb") as f:',
+        '    tmp = path\n    with open(tmp, "wb") as f:',
+    ),
+    Mutant(
+        "pickle loading",
+        "P25 weights_only loading",
+        CHECKPOINT,
+        'return torch.load(path, map_location="cpu", weights_only=True)',
+        'return torch.load(path, map_location="cpu", weights_only=False)',
+    ),
+    Mutant(
+        "RNG not restored",
+        "exact resume: RNG state",
+        CHECKPOINT,
+        "    set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])\n",
+        "",
+    ),
+    Mutant(
+        "loader draws from the global RNG",
+        "exact resume: RNG state",
+        LOADERS,
+        "drop_last=True, generator=own_rng(cfg, info),",
+        "drop_last=True,",
+    ),
+    Mutant(
+        "mid-epoch position not skipped",
+        "exact resume: mid-epoch",
+        TRAIN,
+        "job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size",
+        "job.train_loader.sampler.skip = 0",
+    ),
+    Mutant(
+        "NaN check removed",
+        "non-finite loss stops the run",
+        TRAIN,
+        "            check_finite(status, state.step - steps_since_check(state.step, cfg), state.step, cfg)\n",
+        "",
+        slow=("tests/test_train.py::test_a_nan_between_log_steps_is_never_checkpointed_and_a_rerun_resumes_before_it",),
+    ),
+    Mutant(
+        "eval padding counted",
+        "P26 every eval sample once",
+        TRAIN,
+        "real = real_sample_mask(position, size, info, len(loader.dataset), info.device)",
+        "real = torch.ones(size, dtype=torch.bool, device=info.device)",
+    ),
+    Mutant(
+        "eval as a mean of per-rank means",
+        "P26 exact global sums",
+        TRAIN,
+        '    results = {f"eval_{name}": value for name, value in task.metrics(reduced).items()}',
+        "    local = task.metrics(dict(zip(totals.names, totals.sums.tolist())))\n"
+        '    results = {f"eval_{name}": dist.all_reduce_sum(torch.tensor(value, dtype=torch.float64)).item()'
+        " / info.world_size for name, value in local.items()}",
+    ),
+    Mutant(
+        "eval in train mode",
+        "P26 evaluation in eval mode",
+        TRAIN,
+        "    model.eval()\n    totals = Totals(info.device)",
+        "    totals = Totals(info.device)",
+    ),
+    Mutant(
+        "eval on this rank's BatchNorm statistics",
+        "P26 evaluate the weights the checkpoint saves",
+        TRAIN,
+        "    dist.broadcast_buffers(model)\n",
+        "",
+        slow=("tests/test_train.py::test_evaluate_gives_a_checkpoint_the_metrics_its_training_run_logged",),
+    ),
+]
+
+
+# tests that fail with any failing proof: listed after the test of the proof itself
+ANY_PROOF = (
+    "test_the_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold",
+    "test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_causes",
+    "test_a_proof_that_ran_no_step_fails_instead_of_passing_on_nothing",
+)
+
+
+def failed_tests(report: Path) -> list[str]:
+    """The tests a junit report records as failed or in error, the most specific first."""
+    if not report.exists():
+        return []
+    names = []
+    for case in ElementTree.parse(report).iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            names.append(f"{Path(case.get('classname', '').replace('.', '/')).name}.py::{case.get('name')}")
+    return sorted(names, key=lambda name: name.split("::")[-1] in ANY_PROOF)
+
+
+def run_tests(project: Path, args: list[str], report: Path) -> tuple[int, list[str]]:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *args]
+    result = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=1800)
+    return result.returncode, failed_tests(report)
+
+
+def try_mutant(mutant: Mutant, baked: Path, work: Path) -> dict:
+    project = work / mutant.name.replace(" ", "-")
+    shutil.copytree(baked, project)
+    mutant.apply(project)
+    start = time.monotonic()
+    code, failed = run_tests(project, [], work / f"{project.name}-fast.xml")
+    tier = "fast"
+    if not failed and mutant.slow:
+        code, failed = run_tests(project, ["--slow", *mutant.slow], work / f"{project.name}-slow.xml")
+        tier = "slow"
+    if code != 0 and not failed:
+        failed = [f"pytest exited {code} without a failed test (collection error?)"]
+    shutil.rmtree(project)
+    return {"mutant": mutant, "failed": failed, "tier": tier if failed else "-", "seconds": time.monotonic() - start}
+
+
+def caught_by(failed: list[str]) -> str:
+    """The tests of the practice itself; the proofs' summary tests only where nothing else failed."""
+    if not failed:
+        return "SURVIVED"
+    specific = [name for name in failed if name.split("::")[-1] not in ANY_PROOF] or failed
+    more = len(failed) - len(specific[:2])
+    return "; ".join(specific[:2]) + (f" (+{more} more)" if more else "")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mutant | practice | caught by | tier | s |", "|---|---|---|---|---|"]
+    for row in rows:
+        mutant = row["mutant"]
+        caught = caught_by(row["failed"])
+        lines.append(f"| {mutant.name} | {mutant.practice} | {caught} | {row['tier']} | {row['seconds']:.0f} |")
+    caught = sum(bool(row["failed"]) for row in rows)
+    return "\n".join([*lines, "", f"score: {caught}/{len(rows)} mutants caught"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutants only (names as --list prints)")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="bake, check that every change applies, and exit")
+    parser.add_argument("--keep", type=Path, help="bake into DIR and keep it (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(f"{m.name}: {m.practice} ({m.path})" for m in MUTANTS))
+        return 0
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        parser.error(f"no mutant named {', '.join(sorted(unknown))}: --list prints their names")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    work = args.keep or Path(tempfile.mkdtemp(prefix="mutations-"))
+    try:
+        return score(chosen, work, check_only=args.check)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def score(chosen: list[Mutant], work: Path, check_only: bool) -> int:
+    baked = bake(work / "baked")
+    for mutant in chosen:  # every change still applies to the code as baked, before minutes of tests
+        mutant.changed((baked / mutant.path).read_text())
+    if check_only:
+        print(f"all {len(chosen)} mutants apply to the baked project")
+        return 0
+    code, failed = run_tests(baked, [], work / "baseline.xml")
+    if code != 0:
+        print(f"the fast tier fails before any mutation: {failed}", file=sys.stderr)
+        return 2
+    rows = []
+    for mutant in chosen:
+        rows.append(try_mutant(mutant, baked, work))
+        row = rows[-1]
+        print(f"{mutant.name}: {caught_by(row['failed'])} ({row['seconds']:.0f} s)", flush=True)
+    print(table(rows))
+    return 0 if all(row["failed"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
