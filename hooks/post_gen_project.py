@@ -28,6 +28,7 @@ ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
 # (answer, values that drop the files, files relative to the project root)
 OPTIONAL_FILES = [
     ("slurm", (False,), ["scripts/train.sbatch", "tests/test_sbatch.py"]),
+    ("kubernetes", (False,), ["k8s", "Dockerfile", ".dockerignore", "tests/test_kubernetes.py"]),
     ("license", ("none",), ["LICENSE"]),
     # the worked swaps replace the classifier's seam files; the other starters have their own
     ("task", ("image_classification", "language_model"), ["examples", "tests/test_swaps.py"]),

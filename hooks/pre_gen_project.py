@@ -83,6 +83,20 @@ def check_one_line(answers: dict, key: str) -> str | None:
     return None
 
 
+# JobSet names a pod <slug>-node-<job>-<pod>-<5 random>, and Kubernetes allows 63 characters
+MAX_KUBERNETES_SLUG = 63 - len("-node-0-0-xxxxx") - 8  # room for 1000+ nodes and restarts
+
+
+def check_kubernetes_slug(answers: dict) -> str | None:
+    slug = answers["project_slug"]
+    if not answers.get("kubernetes") or len(slug) <= MAX_KUBERNETES_SLUG:
+        return None
+    return (
+        f"project_slug {slug!r} is longer than {MAX_KUBERNETES_SLUG} characters, too long for the Kubernetes "
+        f"names made from it (a JobSet pod is <slug>-node-0-0-xxxxx, at most 63): pick a shorter project_slug"
+    )
+
+
 def check_count(answers: dict, key: str, maximum: int) -> str | None:
     raw = str(answers[key]).strip()
     if not re.fullmatch(r"\d+", raw):
@@ -102,6 +116,7 @@ def validate(answers: dict) -> tuple[list[str], list[str]]:
         check_count(answers, "grad_accum_steps", 1024),
         check_count(answers, "per_device_batch_size", 65536),
         *(check_one_line(answers, key) for key in ("project_name", "description", "author")),
+        check_kubernetes_slug(answers),
     ]
     errors = [e for e in errors if e]
     warnings = []

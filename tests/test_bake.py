@@ -85,6 +85,16 @@ PACKAGE_FILES = {
     "train.py",
 }
 SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
+KUBERNETES_FILES = {
+    "Dockerfile",
+    ".dockerignore",
+    "k8s/jobset.yaml",
+    "k8s/pvc.yaml",
+    "k8s/runtime.yaml",
+    "k8s/schema.json",
+    "k8s/trainjob.yaml",
+    "tests/test_kubernetes.py",
+}
 CLASSIFIER_ONLY = {f for f in COMMON_FILES if f.startswith("examples/")} | {"tests/test_swaps.py"}
 STARTER_PACKAGE_FILES = {"image_classification": {"shapes.py"}, "language_model": {"prepare.py", "sample.py"}}
 
@@ -92,13 +102,20 @@ SUPPORTED = [
     {},
     {"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False, "compile": True, "slurm": False},
     {"precision": "fp32", "gpus_per_node": "1", "num_nodes": "1", "license": "none"},
-    {"precision": "bf16", "compile": True, "gpus_per_node": "4", "num_nodes": "16", "license": "BSD-3-Clause"},
+    {
+        "precision": "bf16",
+        "compile": True,
+        "gpus_per_node": "4",
+        "num_nodes": "16",
+        "license": "BSD-3-Clause",
+        "kubernetes": True,
+    },
     {"project_name": "Vision Net", "per_device_batch_size": "4", "gpus_per_node": "64"},
-    {"project_name": "x", "project_slug": "my_trainer", "package_name": "mytrainer"},
+    {"project_name": "x", "project_slug": "my_trainer", "package_name": "mytrainer", "kubernetes": True},
     {"project_name": "A Very Long Project Name For Testing", "package_name": "a" * 32},
     {"task": "language_model"},
     {"task": "language_model", "precision": "fp32", "gpus_per_node": "1", "slurm": False, "compile": True},
-    {"task": "language_model", "precision": "fp16", "grad_accum_steps": "8", "license": "none"},
+    {"task": "language_model", "precision": "fp16", "grad_accum_steps": "8", "license": "none", "kubernetes": True},
     {"task": "image_classification"},
     {"task": "image_classification", "precision": "fp16", "grad_accum_steps": "2", "compile": True, "slurm": False},
     {"task": "image_classification", "precision": "fp32", "gpus_per_node": "1", "license": "BSD-3-Clause"},
@@ -116,6 +133,8 @@ def expected_files(answers, package):
         files = (files - CLASSIFIER_ONLY) | {f"src/{package}/{name}" for name in STARTER_PACKAGE_FILES[task]}
     if answers.get("slurm", True):
         files |= SLURM_FILES
+    if answers.get("kubernetes", False):
+        files |= KUBERNETES_FILES
     if answers.get("license", "MIT") != "none":
         files.add("LICENSE")
     return files
@@ -216,6 +235,7 @@ UNSUPPORTED = [
     (["package_name=test"], "package_name 'test' would shadow"),
     (["package_name=My-Pkg"], "package_name 'My-Pkg' is not a lowercase Python identifier"),
     ([f"package_name={'a' * 33}"], "is longer than 32 characters"),
+    ([f"project_slug={'a' * 41}", "package_name=a", "kubernetes=true"], "too long for the Kubernetes names"),
     (["author=A\tB"], "author 'A\\tB' holds a line break or control character"),
     (["description= "], "description is empty"),
 ]

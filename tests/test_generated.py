@@ -3,8 +3,10 @@
 The defaults project runs every tier (`pytest --slow`: the maths proofs, fault drills,
 launchers, the swaps), split in three runs (the drills, the exit-status stress drill, the rest)
 that go side by side; one
-project with the other answers (fp16, accumulation, compile, no SLURM) runs the fast tier, which
-holds what those answers change (the maths proofs and the unit tests); the bake matrix in
+project with the other answers (fp16, accumulation, compile, no SLURM, Kubernetes) runs the fast
+tier, which holds what those answers change (the maths proofs, the unit tests, the manifests
+checked offline), and its Kubernetes drills (pods on loopback under each operator's
+environment, SIGTERM to PID 1 within the grace period); the bake matrix in
 test_bake.py lints every other combination. The starters run the fast tier plus their own slow
 tests (`pytest --task`, less the generic drills the defaults project already runs): the language
 model's real-text training and sampling, the image classifier's ResNet-18 learning the drawn
@@ -25,6 +27,7 @@ EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to 
 # which the defaults project runs for every code path they share
 OWN_TASK_TESTS = ["--task", "-k", "not (eval_counts_each_sample or resume_mid_epoch or smoke_sh_passes)"]
 
+OTHER_ANSWERS = {"precision": "fp16", "grad_accum_steps": "4", "compile": True, "slurm": False, "kubernetes": True}
 # name -> (answers, the project's pytest options), the longest run first
 REPRESENTATIVE = {
     "defaults-rest": ({}, ["--slow", *(f"--ignore={path}" for path in [*DRILLS, EXITS])]),
@@ -32,7 +35,8 @@ REPRESENTATIVE = {
     "defaults-exits": ({}, ["--slow", EXITS]),
     "image-classification": ({"task": "image_classification"}, OWN_TASK_TESTS),
     "language-model": ({"task": "language_model"}, OWN_TASK_TESTS),
-    "fp16-accum4-compile": ({"precision": "fp16", "grad_accum_steps": "4", "compile": True, "slurm": False}, []),
+    "fp16-accum4-compile-k8s": (OTHER_ANSWERS, []),
+    "k8s-drills": (OTHER_ANSWERS, ["--slow", "tests/test_kubernetes.py"]),
 }
 
 

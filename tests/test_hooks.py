@@ -26,6 +26,7 @@ DEFAULTS = {
     "grad_accum_steps": "1",
     "per_device_batch_size": "32",
     "slurm": True,
+    "kubernetes": False,
     "license": "MIT",
 }
 
@@ -121,12 +122,14 @@ def test_set_yaml_values_rejects_unknown_keys():
 
 
 def test_remove_unchosen_uses_the_table(tmp_path):
-    for name in ("scripts/train.sbatch", "tests/test_sbatch.py", "LICENSE", "keep.txt"):
+    kubernetes = ["k8s/jobset.yaml", "Dockerfile", ".dockerignore", "tests/test_kubernetes.py"]
+    for name in ("scripts/train.sbatch", "tests/test_sbatch.py", "LICENSE", "keep.txt", *kubernetes):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    removed = post.remove_unchosen(tmp_path, answers(slurm=False, license="none"))
-    assert sorted(removed) == ["LICENSE", "scripts/train.sbatch", "tests/test_sbatch.py"]
-    assert (tmp_path / "keep.txt").exists()
+    removed = post.remove_unchosen(tmp_path, answers(slurm=False, license="none", kubernetes=False))
+    expected = [".dockerignore", "Dockerfile", "LICENSE", "k8s", "scripts/train.sbatch"]
+    assert sorted(removed) == [*expected, "tests/test_kubernetes.py", "tests/test_sbatch.py"]
+    assert (tmp_path / "keep.txt").exists() and not (tmp_path / "k8s").exists()
     (tmp_path / "examples" / "regression").mkdir(parents=True)
     for task in ("image_classification", "language_model"):  # the swaps of the classifier's seam
         (tmp_path / "examples" / "regression").mkdir(parents=True, exist_ok=True)

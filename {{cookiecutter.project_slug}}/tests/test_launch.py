@@ -41,6 +41,56 @@ def test_a_process_count_must_be_positive(requested):
 
 
 @pytest.mark.parametrize(
+    ("env", "variable", "count"),
+    [
+        ({}, "NPROC_PER_NODE", None),
+        ({"PET_NPROC_PER_NODE": "4"}, "PET_NPROC_PER_NODE", "4"),  # a TrainJob on CPU nodes: its CPU count
+        ({"PET_NPROC_PER_NODE": "auto"}, "NPROC_PER_NODE", None),  # a TrainJob with GPUs: one per visible GPU
+        ({"NPROC_PER_NODE": "2", "PET_NPROC_PER_NODE": "8"}, "NPROC_PER_NODE", "2"),  # the user's own setting wins
+    ],
+)
+def test_a_process_count_comes_from_the_user_or_the_operator(env, variable, count):
+    assert launch.requested_processes(env) == (variable, count)
+
+
+def test_a_bad_operator_count_names_its_variable():
+    with pytest.raises(LaunchError, match="PET_NPROC_PER_NODE=8 but this node shows 4 GPU"):
+        launch.prepare(["-m", "pkg.train"], {"PET_NPROC_PER_NODE": "8"}, gpus=4, affinity=16)
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "expected"),
+    [
+        ({"JOB_COMPLETION_INDEX": "1"}, [], ["--node-rank=1"]),  # a JobSet's pod 1
+        ({"JOB_COMPLETION_INDEX": "1", "PET_NODE_RANK": "1"}, [], []),  # a TrainJob: torchrun reads PET_NODE_RANK
+        ({"JOB_COMPLETION_INDEX": "1"}, ["--node-rank=0"], ["--node-rank=0"]),
+        ({}, [], []),
+    ],
+)
+def test_an_indexed_jobs_pod_index_is_its_node_rank(env, args, expected):
+    assert launch.node_rank_from_job_index(args, env) == expected
+
+
+@pytest.mark.parametrize(
+    ("files", "limit"),
+    [
+        ({"cpu.max": "200000 100000\n"}, 2),  # cgroup v2: limits.cpu: 2
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: 2 threads' worth, rounded up
+        ({"cpu.max": "max 100000\n"}, None),  # no limit
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+)
+def test_a_pods_cpu_limit_caps_the_cpus_it_sees(tmp_path, files, limit):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert launch.cpu_limit(tmp_path) == limit
+    assert launch.usable_cpus(tmp_path) == min(launch.usable_cpus(tmp_path / "none"), limit or 10**6)
+
+
+@pytest.mark.parametrize(
     ("env", "affinity", "cpus"),
     [
         ({}, 16, 16),  # no SLURM: the affinity mask

@@ -187,8 +187,9 @@ def seed_everything(seed: int) -> None:
 
 def cpus_available() -> int:
     """CPUs this process may run on: the affinity mask (taskset, cgroups cpusets, SLURM binding),
-    capped by SLURM's allocation where SLURM does not bind (the node launcher sizes threads alike)."""
-    return launch.job_cpus(os.environ, launch.affinity_cpus())
+    capped by a cgroup CPU limit (a pod's) and by SLURM's allocation where SLURM does not bind
+    (the node launcher sizes threads alike)."""
+    return launch.job_cpus(os.environ, launch.usable_cpus())
 
 
 def intra_op_threads(local_world_size: int) -> int:

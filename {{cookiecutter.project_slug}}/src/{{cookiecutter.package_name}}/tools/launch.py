@@ -5,11 +5,13 @@
     python -m {{ cookiecutter.package_name }}.tools.launch preempted-exit-code   # 75, for scripts that requeue on it
 
 It plans the node, then runs torchrun and stays with it:
-- processes: NPROC_PER_NODE, by default one per GPU that CUDA shows this process (which honours
-  CUDA_VISIBLE_DEVICES, MIG and cgroups, unlike `nvidia-smi -L`), 2 on a CPU-only machine;
-  never more processes than GPUs;
-- threads: OMP_NUM_THREADS = the CPUs this job owns here (affinity mask, SLURM's allocation)
-  shared out among the processes, at least 1;
+- processes: NPROC_PER_NODE (or a TrainJob's PET_NPROC_PER_NODE), by default one per GPU that
+  CUDA shows this process (which honours CUDA_VISIBLE_DEVICES, MIG and cgroups, unlike
+  `nvidia-smi -L`), 2 on a CPU-only machine; never more processes than GPUs;
+- threads: OMP_NUM_THREADS = the CPUs this job owns here (affinity mask, a pod's CPU limit,
+  SLURM's allocation) shared out among the processes, at least 1;
+- node rank: a Kubernetes Indexed Job's JOB_COMPLETION_INDEX (a JobSet's pods) unless
+  --node-rank or PET_NODE_RANK gives it; torchrun reads the other PET_* variables itself;
 - stopping: the first TERM, INT, HUP or USR1 becomes SIGUSR1 for the workers, which agree on it
   at their next log step (on every node), write a checkpoint and exit; a second one makes
   torchrun stop them at once. torchrun ignores SIGUSR1 (SLURM hands it to every process of the
@@ -70,11 +72,32 @@ def job_cpus(env: Mapping[str, str], affinity: int) -> int:
     return min(affinity, allocated) if allocated else affinity
 
 
-def affinity_cpus() -> int:
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: its affinity mask (taskset, cpusets, SLURM binding), capped by
+    a cgroup CPU limit (Kubernetes' resources.limits.cpu, docker --cpus), which the mask does
+    not show: a pod sees every CPU of its node and is throttled above its limit."""
     try:
-        return len(os.sched_getaffinity(0))
+        mask = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
-        return os.cpu_count() or 1
+        mask = os.cpu_count() or 1
+    limit = cpu_limit(cgroup)
+    return min(mask, limit) if limit else mask
+
+
+def cpu_limit(cgroup: Path) -> int | None:
+    """The cgroup's CPU quota in whole CPUs (rounded up), or None without one: cgroup v2's
+    cpu.max ("200000 100000", or "max 100000"), else v1's cpu.cfs_quota_us (-1: none)."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        try:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1") or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return max(1, -(-int(quota) // int(period)))
 
 
 def threads_per_process(cpus: int, processes: int) -> int:
@@ -82,16 +105,33 @@ def threads_per_process(cpus: int, processes: int) -> int:
     return max(1, cpus // processes)
 
 
-def processes_per_node(requested: str | None, gpus: int, planned: int | None) -> tuple[int, str | None]:
+# the process count a user or an operator asks for; Kubeflow's TrainJob sets PET_NPROC_PER_NODE,
+# torchrun's own variable for --nproc-per-node ("auto" and "gpu": one per visible GPU, as here)
+PROCESS_COUNT_VARIABLES = ("NPROC_PER_NODE", "PET_NPROC_PER_NODE")
+PLANNED_COUNTS = ("auto", "gpu")
+
+
+def requested_processes(environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """(variable, the process count it asks for) of the first one set, or a count of None to plan it here."""
+    for name in PROCESS_COUNT_VARIABLES:
+        value = environ.get(name, "")
+        if value and value not in PLANNED_COUNTS:
+            return name, value
+    return PROCESS_COUNT_VARIABLES[0], None
+
+
+def processes_per_node(
+    requested: str | None, gpus: int, planned: int | None, variable: str = "NPROC_PER_NODE"
+) -> tuple[int, str | None]:
     """(processes to start on this node, a note for the user or None)."""
     if requested:
         count = positive_int(requested)
         if count is None:
-            raise LaunchError(f"NPROC_PER_NODE={requested!r}: use a positive number of processes")
+            raise LaunchError(f"{variable}={requested!r}: use a positive number of processes")
         if gpus and count > gpus:
             raise LaunchError(
-                f"NPROC_PER_NODE={count} but this node shows {gpus} GPU(s) (CUDA_VISIBLE_DEVICES, MIG or "
-                f"the job's allocation): ranks without a GPU would share one; use NPROC_PER_NODE<={gpus}"
+                f"{variable}={count} but this node shows {gpus} GPU(s) (CUDA_VISIBLE_DEVICES, MIG or "
+                f"the job's allocation): ranks without a GPU would share one; use {variable}<={gpus}"
             )
         return count, None
     if not gpus:
@@ -101,6 +141,14 @@ def processes_per_node(requested: str | None, gpus: int, planned: int | None) ->
     return gpus, None
 
 
+def node_rank_from_job_index(args: list[str], environ: Mapping[str, str]) -> list[str]:
+    """A Kubernetes Indexed Job (a JobSet's) numbers its pods in JOB_COMPLETION_INDEX: that is
+    the node rank, unless --node-rank or torchrun's PET_NODE_RANK (a TrainJob's) gives one."""
+    index = environ.get("JOB_COMPLETION_INDEX", "")
+    given = "PET_NODE_RANK" in environ or any(arg.startswith(("--node-rank", "--node_rank")) for arg in args)
+    return args if given or not index.isdigit() else [f"--node-rank={index}", *args]
+
+
 def torchrun_command(args: list[str], processes: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", *args]
 
@@ -108,7 +156,9 @@ def torchrun_command(args: list[str], processes: int) -> list[str]:
 def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: int) -> tuple[list[str], dict]:
     """(torchrun command line, its environment) for this node."""
     planned = positive_int(environ.get("PLANNED_GPUS_PER_NODE"))
-    processes, note = processes_per_node(environ.get("NPROC_PER_NODE"), gpus, planned)
+    variable, requested = requested_processes(environ)
+    processes, note = processes_per_node(requested, gpus, planned, variable)
+    args = node_rank_from_job_index(args, environ)
     static = any(arg.startswith(("--master-addr", "--master_addr")) for arg in args)
     if static and not any(arg.startswith(("--master-port", "--master_port")) for arg in args):
         args = [f"--master-port={DEFAULT_MASTER_PORT}", *args]
@@ -232,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from .hardware import visible_gpus  # imports torch
 
-        command, env = prepare(args, os.environ, visible_gpus(), affinity_cpus())
+        command, env = prepare(args, os.environ, visible_gpus(), usable_cpus())
     except LaunchError as err:
         print(f"launch error: {err}", file=sys.stderr, flush=True)
         return 2
