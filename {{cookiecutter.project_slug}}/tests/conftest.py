@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +105,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def finish(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process started with start_new_session, all within
+    `timeout`; then every process of their sessions is killed, so none outlives the test."""
+    deadline = time.monotonic() + timeout
+    try:
+        results = []
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((process.returncode, stdout, stderr))
+        return results
+    finally:
+        for process in processes:
+            for pid in [process.pid, *descendants(process.pid)]:  # torchrun runs in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def wait_for(predicate, timeout: float) -> None:

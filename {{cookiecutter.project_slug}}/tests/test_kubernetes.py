@@ -5,7 +5,6 @@ The API server accepts unknown fields in custom resources, so a misspelled field
 silently: k8s/schema.json holds the fields the manifests use, unknown ones rejected.
 """
 
-import contextlib
 import copy
 import json
 import os
@@ -19,7 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, project_env, wait_for
 from dockerfile_parse import DockerfileParser
 
 from {{ cookiecutter.package_name }} import checkpoint, config, preemption
@@ -160,21 +159,6 @@ def start_pods(tmp_path: Path, envs: list[dict], *overrides: str) -> list[subpro
         )
         for env in envs
     ]
-
-
-def finish(pods: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout
-    try:
-        results = []
-        for pod in pods:
-            stdout, stderr = pod.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((pod.returncode, stdout, stderr))
-        return results
-    finally:
-        for pod in pods:
-            for pid in [pod.pid, *descendants(pod.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
 
 def trainjob_env(port: int) -> list[dict]:

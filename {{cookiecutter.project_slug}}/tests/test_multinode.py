@@ -3,7 +3,6 @@ rendezvous. A worker killed on one node must make both nodes re-form and resume 
 torchrun counts restarts on its own, and a node that only saw the other rejoin counts none);
 a stop on one node must checkpoint every node and end both, not leave one restarting."""
 
-import contextlib
 import os
 import signal
 import socket
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, train_losses, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, project_env, train_losses, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, preemption
 from {{ cookiecutter.package_name }}.tools import launch
@@ -53,21 +52,6 @@ def start_nodes(tmp_path: Path, *overrides: str, max_restarts: int = 0) -> list[
         )
         for _ in range(2)
     ]
-
-
-def finish(nodes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout
-    try:
-        results = []
-        for node in nodes:
-            stdout, stderr = node.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((node.returncode, stdout, stderr))
-        return results
-    finally:
-        for node in nodes:
-            for pid in [node.pid, *descendants(node.pid)]:  # torchrun runs in a session of its own
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
 
 
 def worker_of(node: subprocess.Popen) -> int:
