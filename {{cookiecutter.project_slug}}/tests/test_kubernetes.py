@@ -1,8 +1,8 @@
 """Kubernetes: the manifests in k8s/ checked offline, and drills of the container's entry command
 on loopback with the environment each operator gives a pod.
 
-The API server accepts unknown fields in custom resources, so a misspelled field would pass it
-silently: k8s/schema.json holds the fields the manifests use, unknown ones rejected.
+k8s/schema.json holds the fields the manifests use, unknown ones rejected: a misspelled field
+fails here, without a cluster (an API server rejects it only under strict field validation).
 """
 
 import copy
@@ -119,9 +119,51 @@ def test_the_manifests_follow_the_project_and_each_other():
         assert claim["claimName"] == found["PersistentVolumeClaim"]["metadata"]["name"]
         assert pod["terminationGracePeriodSeconds"] == grace_seconds()
     assert found["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]  # every node loads checkpoints
-    gpus = {trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]}
-    gpus.add(pod_spec("JobSet")["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-    assert gpus == {cfg.dist.gpus_per_node}
+    for resources in (trainer["resourcesPerNode"], pod_spec("JobSet")["containers"][0]["resources"]):
+        # the torch plugin counts GPUs in the requests; the CPU limit sizes the threads (launch.usable_cpus)
+        assert (
+            resources["requests"] == resources["limits"]
+            and resources["limits"]["nvidia.com/gpu"] == cfg.dist.gpus_per_node
+        )
+
+
+def test_a_preemption_restarts_every_node_and_a_failure_counts():
+    found = manifests()
+    runtime = found["TrainingRuntime"]
+    assert runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["name"] == "node"  # PET_MASTER_ADDR names it
+    assert found["TrainJob"]["spec"]["runtimeRef"]["kind"] == "TrainingRuntime"
+    for spec in (runtime["spec"]["template"]["spec"], found["JobSet"]["spec"]):
+        (rule,) = spec["failurePolicy"]["rules"]
+        assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts" and rule["onJobFailureReasons"] == [
+            "PodFailurePolicy"
+        ]
+        job = spec["replicatedJobs"][0]["template"]
+        stopped, evicted = job["spec"]["podFailurePolicy"]["rules"]
+        assert stopped["action"] == evicted["action"] == "FailJob"
+        assert stopped["onExitCodes"] == {
+            "containerName": "node",
+            "operator": "In",
+            "values": [preemption.PREEMPTED_EXIT_CODE],
+        }
+        assert evicted["onPodConditions"] == [{"type": "DisruptionTarget"}]
+        assert job["spec"]["backoffLimit"] == 0 and job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    ancestor = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["metadata"]["labels"]
+    assert ancestor == {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}  # where the plugin puts PET_*
+
+
+def test_the_jobsets_pods_find_pod_0_and_their_node_rank():
+    job = manifests()["JobSet"]["spec"]["replicatedJobs"][0]
+    assert job["replicas"] == 1 and job["template"]["spec"]["completionMode"] == "Indexed"  # JOB_COMPLETION_INDEX
+    (container,) = pod_spec("JobSet")["containers"]
+    env = {var["name"]: var for var in container["env"]}
+    assert (
+        int(env["PET_NNODES"]["value"])
+        == job["template"]["spec"]["parallelism"]
+        == job["template"]["spec"]["completions"]
+    )
+    label = env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert label == "metadata.labels['jobset.sigs.k8s.io/jobset-name']"
+    assert env["PET_MASTER_ADDR"]["value"] == f"$(JOBSET_NAME)-{job['name']}-0-0.$(JOBSET_NAME)"
 
 
 def test_the_readme_states_what_the_manifests_set():
@@ -171,8 +213,12 @@ def trainjob_env(port: int) -> list[dict]:
 def jobset_env(port: int) -> list[dict]:
     """jobset.yaml's container env, for 2 nodes on loopback, and the pod index the Job controller sets."""
     (container,) = pod_spec("JobSet")["containers"]
-    declared = {var["name"]: var["value"] for var in container["env"]}
-    assert set(declared) == {"PET_NNODES", "PET_MASTER_ADDR", "PET_MASTER_PORT"}
+    assert {var["name"] for var in container["env"]} == {
+        "PET_NNODES",
+        "JOBSET_NAME",
+        "PET_MASTER_ADDR",
+        "PET_MASTER_PORT",
+    }
     loopback = {"PET_NNODES": "2", "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port), "NPROC_PER_NODE": "1"}
     return [{**loopback, "JOB_COMPLETION_INDEX": str(index)} for index in range(2)]
 

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import PROJECT, project_env
@@ -176,6 +177,37 @@ def test_a_process_handles_a_signal_only_once_it_installed_a_handler():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_runs():
+    # the slow part of a start is importing torch to count GPUs; PID 1 of a container ignores
+    # signals it has no handler for, so the handler is there before that import
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}.tools.launch", "--standalone", "-m", "nothing.here"],
+        cwd=PROJECT,
+        env=project_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not preemption.handles(launcher.pid, signal.SIGTERM):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=20) == preemption.PREEMPTED_EXIT_CODE
+        assert "torch.distributed.run" not in launcher.stderr.read()
+    finally:
+        launcher.kill()
+
+
+def test_finished_children_are_collected_except_the_one_kept():
+    # what the launcher does as PID 1 of a container, where the pod's orphans become its children
+    kept, orphan = (subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2))
+    time.sleep(0.5)  # both have exited: zombies until collected
+    launch.reap_orphans(keep=kept.pid)
+    assert not Path(f"/proc/{orphan.pid}").exists()  # collected
+    assert Path(f"/proc/{kept.pid}").exists() and kept.wait(timeout=5) == 0  # its status left for its Popen
 
 
 FAKE_TORCHRUN = """

@@ -15,7 +15,8 @@ It plans the node, then runs torchrun and stays with it:
 - stopping: the first TERM, INT, HUP or USR1 becomes SIGUSR1 for the workers, which agree on it
   at their next log step (on every node), write a checkpoint and exit; a second one makes
   torchrun stop them at once. torchrun ignores SIGUSR1 (SLURM hands it to every process of the
-  step): left to torchrun, a stop kills the workers 30 s later, checkpoint or not;
+  step): left to torchrun, a stop kills the workers 30 s later, checkpoint or not; a stop before
+  torchrun has started exits at once, as a preempted launch;
 - exit status: 75 (preemption.PREEMPTED_EXIT_CODE) when the workers checkpointed and stopped early on a
   TERM, HUP or USR1 (a preemption), so a scheduler requeues the job and a rerun resumes; 130
   when they did so on a Ctrl-C (the user's stop: nothing should requeue it); otherwise
@@ -164,7 +165,8 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
         args = [f"--master-port={DEFAULT_MASTER_PORT}", *args]
     env = dict(environ)
     env.setdefault("OMP_NUM_THREADS", str(threads_per_process(job_cpus(environ, affinity), processes)))
-    # A fresh store for every rendezvous round, served by that round's rank 0. The shared agent
+    # c10d rendezvous: a fresh store for every round, served by that round's rank 0 (a static
+    # one, --master-addr or PET_MASTER_ADDR, always shares the agent's store). The shared agent
     # store outlives restarts, and the only per-attempt key a worker could use, its node's
     # TORCHELASTIC_RESTART_COUNT, differs between nodes when one rejoins (dist.store_prefix).
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -218,13 +220,15 @@ class Supervisor:
             try:
                 return self.torchrun.wait(timeout=RESEND_SECONDS)
             except subprocess.TimeoutExpired:
+                if os.getpid() == 1:  # a container's entry: orphans of the pod are ours to collect
+                    reap_orphans(keep=self.torchrun.pid)
                 if self.stops == 1:
                     self._tell_workers()  # the ones torchrun (re)started since
 
     def _stop(self, signum, frame) -> None:
         self.stops += 1
         if self.torchrun is None:
-            raise SystemExit(128 + signum)
+            stop_before_start(signum, frame)
         if self.stops == 1:
             self.stop_signal = signum
             print(
@@ -246,6 +250,22 @@ class Supervisor:
                 self.told.add(pid)
                 with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                     os.kill(pid, WORKER_STOP_SIGNAL)
+
+
+def stop_before_start(signum, frame) -> None:
+    """A stop signal before torchrun runs: nothing has trained in this launch, so nothing is lost;
+    exit as a preempted launch does (75, or 130 for Ctrl-C), so the job is requeued or rerun."""
+    raise SystemExit(exit_status(0, signum, preempted=True))
+
+
+def reap_orphans(keep: int) -> None:
+    """Collect the exit status of finished children other than `keep`. As PID 1 of a container,
+    this process inherits every orphan of the pod (the loader workers of a rank that died, say),
+    and each would stay a zombie, holding a PID, until the pod ends."""
+    for pid in children(os.getpid()):
+        if pid != keep:  # torchrun's status is for Popen.wait
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # only if it has finished
 
 
 def _prepare() -> None:
@@ -280,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         if args[:1] == ["preempted-exit-code"]:
             print(PREEMPTED_EXIT_CODE)
             return 0
+        for sig in STOP_SIGNALS:  # before the slow imports: PID 1 of a container drops unhandled signals
+            signal.signal(sig, stop_before_start)
         from .hardware import visible_gpus  # imports torch
 
         command, env = prepare(args, os.environ, visible_gpus(), usable_cpus())
