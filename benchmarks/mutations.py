@@ -215,6 +215,13 @@ MUTANTS = [
         slow=("tests/test_train.py::test_a_nan_between_log_steps_is_never_checkpointed_and_a_rerun_resumes_before_it",),
     ),
     Mutant(
+        "Adam moments left out of the memory estimate",
+        "P28 memory accounting",
+        TRAIN,
+        'return params * (4 + 4 + 8 + (4 if precision != "fp32" else 0))',
+        'return params * (4 + 4 + (4 if precision != "fp32" else 0))',
+    ),
+    Mutant(
         "eval padding counted",
         "P26 every eval sample once",
         TRAIN,

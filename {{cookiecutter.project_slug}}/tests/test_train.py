@@ -285,6 +285,11 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == files
 
 
+@pytest.mark.parametrize(("precision", "per_param"), [("fp32", 16), ("bf16", 20), ("fp16", 20)])
+def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(precision, per_param):
+    assert train.static_memory_bytes(1_000_000, precision) == 1_000_000 * per_param  # P28
+
+
 def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
     capped = config.load(SMOKE_CONFIG, ["train.epochs=1", "train.max_steps=300"])
     assert train.planned_steps(capped, 217) == "217 steps (train.epochs=1 ends before train.max_steps=300)"

@@ -401,11 +401,14 @@ def planned_steps(cfg: Config, total_steps: int) -> str:
     return f"{total_steps} steps"
 
 
+def static_memory_bytes(params: int, precision: str) -> int:
+    """Weights, gradients and AdamW's two moments in fp32 (4 + 4 + 8 bytes a parameter); AMP adds
+    low-precision weight copies, budgeted at 4 bytes. DDP replicates all of it on every device."""
+    return params * (4 + 4 + 8 + (4 if precision != "fp32" else 0))
+
+
 def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
     params = sum(p.numel() for p in job.state.model.parameters())
-    # params + grads + AdamW's two moments, in fp32; AMP adds low-precision weight copies,
-    # budgeted at 4 bytes per parameter. DDP replicates all of it on every device.
-    per_param = 4 + 4 + 8 + (4 if cfg.train.precision != "fp32" else 0)
     dist.print0(
         info,
         f"world size {info.world_size} ({info.local_world_size} per node), backend {info.backend}, "
@@ -415,7 +418,8 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"lr {job.lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
         f"{cfg.train.reference_batch_size}), warmup {job.warmup:.1%} of {planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, loader workers per rank {job.workers}\n"
-        f"parameters {params:,}; static memory per device ~{params * per_param / 2**20:.1f} MiB\n"
+        f"parameters {params:,}; static memory per device "
+        f"~{static_memory_bytes(params, cfg.train.precision) / 2**20:.1f} MiB\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
     note = hardware.precision_note(cfg.train.precision, info.device)
