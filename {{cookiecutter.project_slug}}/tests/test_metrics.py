@@ -47,22 +47,23 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
     board = RecordingBoard()
     log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0, board=board)
-    for _ in range(2):
+    for _ in range(2):  # as train_one_epoch times a step
         with log.clock.data_wait:
             time.sleep(0.02)
         with log.clock.fwd_bwd:
-            time.sleep(0.03)
+            time.sleep(0.06)
         log.record(torch.tensor(4.0), terms=2.0, samples=2)
         with log.clock.optimizer:
-            time.sleep(0.01)
+            time.sleep(0.005)
     record = log.flush(step=2, epoch=0, lr=0.1)
     assert record["loss"] == 2.0 and record["start_step"] == 0 and record["kind"] == "train"
-    assert record["data_wait_ms"] == pytest.approx(20, abs=5) and record["data_wait_share"] == pytest.approx(
-        1 / 3, abs=0.1
-    )
-    assert record["fwd_bwd_ms"] == pytest.approx(30, abs=5) and record["optimizer_ms"] == pytest.approx(10, abs=5)
+    # each phase gets its own sleep, never less; a sleep overshoots on a loaded machine, by less
+    # than the gaps between them
+    slept = {"data_wait_ms": 20, "fwd_bwd_ms": 60, "optimizer_ms": 5}
+    assert all(ms <= record[phase] < ms + 15 for phase, ms in slept.items()), record
+    assert record["data_wait_share"] == pytest.approx(record["data_wait_ms"] / record["step_ms"])
     parts = record["data_wait_ms"] + record["fwd_bwd_ms"] + record["optimizer_ms"] + record["other_ms"]
-    assert parts == pytest.approx(record["step_ms"]) and record["step_ms"] >= 60
+    assert parts == pytest.approx(record["step_ms"]) and record["step_ms"] >= 85
     assert "ms/step: fwd+bwd" in capsys.readouterr().out
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert board.records == [written] and "stop" not in written
