@@ -61,6 +61,7 @@ def resolve(answers: dict) -> tuple[dict, list[str]]:
         "train.reference_batch_size": batch * accum,
         "dist.gpus_per_node": gpus,
         "dist.num_nodes": nodes,
+        "run.trackers": [] if answers["tracker"] == "tensorboard" else [answers["tracker"]],
     }
     return settings, notes
 
@@ -88,6 +89,8 @@ def set_yaml_values(text: str, values: dict) -> str:
 def _yaml_scalar(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_yaml_scalar, value)) + "]"
     return str(value)
 
 
@@ -166,6 +169,9 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
         "  scripts/smoke.sh      # checks DDP on this machine's GPUs (2 CPU processes without GPUs)",
         "  scripts/train.sh      # trains on every local GPU",
     ]
+    if answers["tracker"] != "tensorboard":
+        tracker = answers["tracker"]
+        lines.append(f"  tracker: {tracker} on rank 0; set it up with its own variables (README: Tracked runs)")
     package = answers["package_name"]
     if answers["task"] == "image_classification":
         lines += [

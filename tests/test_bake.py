@@ -54,6 +54,7 @@ COMMON_FILES = {
     "tests/test_swaps.py",
     "tests/test_task.py",
     "tests/test_tensorboard.py",
+    "tests/test_trackers.py",
     "tests/test_train.py",
     "tests/test_wiring.py",
 }
@@ -82,6 +83,8 @@ PACKAGE_FILES = {
     "tools/smoke.py",
     "task.py",
     "tools/tensorboard.py",
+    "tools/tracker_worker.py",
+    "tools/tracking.py",
     "train.py",
 }
 SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
@@ -101,7 +104,7 @@ STARTER_PACKAGE_FILES = {"image_classification": {"shapes.py"}, "language_model"
 SUPPORTED = [
     {},
     {"precision": "fp16", "grad_accum_steps": "4", "sync_batchnorm": False, "compile": True, "slurm": False},
-    {"precision": "fp32", "gpus_per_node": "1", "num_nodes": "1", "license": "none"},
+    {"precision": "fp32", "gpus_per_node": "1", "num_nodes": "1", "license": "none", "tracker": "wandb"},
     {
         "precision": "bf16",
         "compile": True,
@@ -110,7 +113,7 @@ SUPPORTED = [
         "license": "BSD-3-Clause",
         "kubernetes": True,
     },
-    {"project_name": "Vision Net", "per_device_batch_size": "4", "gpus_per_node": "64"},
+    {"project_name": "Vision Net", "per_device_batch_size": "4", "gpus_per_node": "64", "tracker": "mlflow"},
     {"project_name": "x", "project_slug": "my_trainer", "package_name": "mytrainer", "kubernetes": True},
     {"project_name": "A Very Long Project Name For Testing", "package_name": "a" * 32},
     {"task": "language_model"},
@@ -158,6 +161,10 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     batch_norm = answers.get("task", "classifier") != "language_model"  # the language model has none
     assert config["train"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm)
     assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
+    tracker = answers.get("tracker", "tensorboard")
+    assert config["run"]["trackers"] == ([] if tracker == "tensorboard" else [tracker])
+    dev_extra = re.search(r"^dev = \[(.*?)^\]", (project / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    assert {name for name in ("wandb", "mlflow") if f'"{name}>=' in dev_extra} == ({tracker} - {"tensorboard"})
     tests = "\n".join(path.read_text() for path in (project / "tests").glob("*.py"))
     for name in set(re.findall(r"::(test_\w+)", (project / "README.md").read_text())):
         assert f"def {name}(" in tests, f"README.md names {name}, which the project's tests do not define"

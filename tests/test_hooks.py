@@ -27,6 +27,7 @@ DEFAULTS = {
     "per_device_batch_size": "32",
     "slurm": True,
     "kubernetes": False,
+    "tracker": "tensorboard",
     "license": "MIT",
 }
 
@@ -85,6 +86,7 @@ def test_resolve_writes_prompted_values():
     assert settings["train.precision"] == "fp16" and settings["train.grad_accum_steps"] == 4
     assert settings["train.compile"] is True and settings["train.reference_batch_size"] == 128
     assert settings["dist.gpus_per_node"] == 8 and notes == []
+    assert settings["run.trackers"] == [] and post.resolve(answers(tracker="mlflow"))[0]["run.trackers"] == ["mlflow"]
 
 
 def test_resolve_turns_sync_batchnorm_off_on_one_gpu():

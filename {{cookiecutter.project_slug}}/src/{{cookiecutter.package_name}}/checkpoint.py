@@ -37,6 +37,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current epoch
     batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    tracked_run_id: str | None = None  # the W&B / MLflow run this training run continues (tools/tracking.py)
 
     def state_dict(self) -> dict:
         return {
@@ -47,6 +48,7 @@ class TrainState:
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
+            "tracked_run_id": self.tracked_run_id,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -55,6 +57,7 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.tracked_run_id = state.get("tracked_run_id")  # absent from checkpoints of runs without trackers
 
 
 def rng_state() -> dict:

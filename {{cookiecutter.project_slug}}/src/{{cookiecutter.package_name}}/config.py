@@ -26,7 +26,7 @@ import yaml
 
 from .data import DatasetConfig
 from .model import ModelConfig
-from .rules import ConfigError, PositiveInt, Rule
+from .rules import ConfigError, PositiveFloat, PositiveInt, Rule
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
@@ -56,6 +56,10 @@ Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
 ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
 Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
 Switch = bool | Literal["auto"]
+Trackers = Annotated[
+    list,
+    Rule(lambda v: all(t in ("wandb", "mlflow") for t in v) and len(set(v)) == len(v), "use [wandb], [mlflow] or []"),
+]
 PeakTflops = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or v > 0, "use auto or a positive number")]
 StepWindow = Annotated[
     list | None,
@@ -73,6 +77,10 @@ class RunConfig:
     seed: int = 0  # the same seed on every rank, set before the model is built
     log_every: PositiveInt = 10  # optimizer steps between log lines (and preemption/NaN checks, as before checkpoints)
     tensorboard: Switch = "auto"  # TensorBoard event files in out_dir/name/tensorboard/; auto: on if installed
+    trackers: Trackers = field(default_factory=list)  # wandb and/or mlflow, on global rank 0; their own env variables
+    tracker_project: str | None = None  # W&B project / MLflow experiment; null: this project's name; env variables win
+    tracker_timeout_s: PositiveFloat = 60.0  # longest a tracker call may take; a slower or failing tracker is dropped
+    tracker_checkpoint: bool = False  # also upload the final checkpoint to the trackers
     profile_steps: StepWindow = None  # [start, stop]: trace steps start+1..stop into out_dir/name/profile/; null: off
     profile_ranks: Literal["main", "all"] = "main"  # ranks that write a profiler trace: main (rank 0) or all
     peak_tflops: PeakTflops = "auto"  # one device's peak, for MFU; auto: known GPUs by name and precision

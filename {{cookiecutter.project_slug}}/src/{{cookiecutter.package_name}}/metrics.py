@@ -7,6 +7,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -15,6 +16,9 @@ from . import records
 from .dist import DistInfo, all_reduce_sum
 from .tools.profiling import ProfileWindow, StepClock
 from .tools.tensorboard import Board
+
+if TYPE_CHECKING:
+    from .tools.tracking import Trackers
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,10 @@ class TrainingLog:
     ranks (a collective: every rank calls it at the same step). It records and writes; what to do
     about the values (stop, a non-finite loss) the loop decides. Rank 0 appends every record to
     metrics.jsonl, writes it to TensorBoard when `board` is given, and prints the log, evaluation
-    and summary lines. `profiler` (a profiling.ProfileWindow, or None) traces the steps of
-    run.profile_steps. Use it as a context manager: leaving closes the bar, profiler and board.
+    and summary lines. `trackers` (tracking.Trackers, rank 0's W&B/MLflow, or None) are sent the
+    same records. `profiler` (a profiling.ProfileWindow, or None) traces the steps of
+    run.profile_steps. Use it as a context manager: leaving closes the bar, profiler and board,
+    and ends the tracked runs as finished (after `summary`), failed (an error) or preempted.
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class TrainingLog:
         total_steps: int,
         first_step: int,
         board: Board | None = None,
+        trackers: Trackers | None = None,
         profiler: ProfileWindow | None = None,
         throughput: Throughput = Throughput(),
         peak: tuple[float | None, str] = (None, "no peak figure given"),
@@ -98,7 +105,8 @@ class TrainingLog:
         self.jsonl_path = Path(jsonl_path)
         if info.is_main:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self.board, self.profiler = board, profiler
+        self.board, self.trackers, self.profiler = board, trackers, profiler
+        self.finished, self.final_checkpoint = False, None  # set by `summary`
         self.clock = StepClock(info.device)
         self.bar = tqdm(
             total=total_steps,
@@ -213,9 +221,11 @@ class TrainingLog:
         self.write(self.evaluations[-1])
         self.print(evaluation_line(step, epoch, results))
 
-    def summary(self, steps: int, main_metric: tuple[str, str], run_dir: Path) -> str:
+    def summary(self, steps: int, main_metric: tuple[str, str], run_dir: Path, checkpoint: Path | None = None) -> str:
         """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
-        Also appended to metrics.jsonl as {"kind": "summary", "summary": {...}}."""
+        Also appended to metrics.jsonl as {"kind": "summary", "summary": {...}}. `checkpoint`: the
+        final one, which the trackers upload if run.tracker_checkpoint asks."""
+        self.finished, self.final_checkpoint = True, checkpoint
         wall = time.perf_counter() - self.run_start
         ran = steps - self.first_step  # a resumed attempt's wall time and speed are its own steps'
         summary = {"steps": steps, "attempt_steps": ran, "wall_s": wall, **self.speed(self.run_samples / wall)}
@@ -232,12 +242,14 @@ class TrainingLog:
         return f"{line}; outputs in {run_dir}"
 
     def write(self, record: dict, extra: dict[str, float] | None = None) -> None:
-        """On rank 0: append one JSON line, and the same values to TensorBoard."""
+        """On rank 0: append one JSON line, and the same values to TensorBoard and the trackers."""
         if self.info.is_main:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if self.board is not None:
                 self.board.write(record, extra)
+            if self.trackers is not None:
+                self.trackers.write(record)
 
     def print(self, line: str) -> None:
         """A line on rank 0's console that does not break the progress bar."""
@@ -250,13 +262,16 @@ class TrainingLog:
     def __enter__(self) -> TrainingLog:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, error_type, *_) -> None:
+        self.close(failed=error_type is not None)
 
-    def close(self) -> None:
-        """Finish the progress bar, an open profiler window and the TensorBoard file."""
+    def close(self, failed: bool = False) -> None:
+        """Finish the progress bar, an open profiler window, the TensorBoard file and the tracked runs."""
         self.bar.close()
         if self.profiler is not None:
             self.profiler.close()
         if self.board is not None:
             self.board.close()
+        if self.trackers is not None:
+            status = "failed" if failed else "finished" if self.finished else "preempted"
+            self.trackers.close(status, self.final_checkpoint)

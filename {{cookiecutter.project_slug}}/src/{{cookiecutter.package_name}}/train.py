@@ -29,7 +29,7 @@ from .config import Config
 from .dist import DistInfo
 from .metrics import Totals, TrainingLog, real_sample_mask
 from .rules import ConfigError
-from .tools import hardware, tensorboard
+from .tools import hardware, tensorboard, tracking
 from .tools.preflight import check_declared_terms, check_task
 from .tools.profiling import profile_window
 
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
         tensorboard.check(cfg.run.tensorboard)
+        tracking.check(cfg.run.trackers)
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: run(cfg, info))
 
 
@@ -103,14 +104,14 @@ def run(cfg: Config, info: DistInfo) -> int:
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")
-    with training_log(job, cfg, info) as log:
+    with training_log(job, cfg, info, resumed) as log:
         report_startup(cfg, info, job, log, resumed)
         outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
-        save_checkpoint(job.state, cfg, info)
-        if outcome is Outcome.PREEMPTED:
+        final = save_checkpoint(job.state, cfg, info)
+        if outcome is Outcome.PREEMPTED:  # leaving the log finishes the trackers after the checkpoint
             dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
             return preemption.report_preemption()
-        dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir))
+        dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir, final))
     return 0
 
 
@@ -152,15 +153,17 @@ def build(cfg: Config, info: DistInfo) -> Job:
     return Job(model, eval_model, state, train_loader, eval_loader, global_batch, lr, warmup, workers, total_steps)
 
 
-def training_log(job: Job, cfg: Config, info: DistInfo) -> TrainingLog:
+def training_log(job: Job, cfg: Config, info: DistInfo, resumed=None) -> TrainingLog:
     """metrics.jsonl and the console, with the task's throughput and MFU where a peak is known;
-    TensorBoard (run.tensorboard) and a profiler window (run.profile_steps)."""
+    TensorBoard (run.tensorboard), W&B/MLflow (run.trackers) and a profiler window (run.profile_steps)."""
+    trackers, job.state.tracked_run_id = tracking.open_trackers(cfg, info, resumed, job.state.tracked_run_id)
     return TrainingLog(
         info,
         cfg.run_dir / "metrics.jsonl",
         job.total_steps,
         job.state.step,
         board=tensorboard.open_board(cfg.run.tensorboard, cfg.run_dir, job.state.step, info),
+        trackers=trackers,
         profiler=profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info),
         throughput=task.throughput(cfg, job.state.model),
         peak=hardware.peak_flops(info.device, cfg.train.precision, cfg.run.peak_tflops),

@@ -1,0 +1,219 @@
+"""One experiment tracker's process, started and fed by rank 0 (see tracking.py).
+
+    python -m {{ cookiecutter.package_name }}.tools.tracker_worker wandb|mlflow
+
+Reads one JSON message a line on stdin (start, then the records of metrics.jsonl, then finish),
+calls W&B or MLflow, and answers each line on stdout in order: {"ok": true}, or {"error": ...}
+and exit. Stop signals are ignored: rank 0 finishes the tracked run after its stop checkpoint.
+If rank 0 disappears (stdin closes before a finish), the tracked run is marked failed within
+the time limit. Imports neither torch nor the training code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ID_TAG = "tracked_run_id"  # MLflow: the tag that finds a training run's MLflow run again
+SKIPPED = {"kind", "step", "start_step", "world_size"}  # record fields that are not metrics
+MLFLOW_STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
+
+
+def metrics_of(record: dict) -> dict[str, float]:
+    """A train or eval record's numbers as tracker metrics: train/loss, eval/accuracy, ..."""
+    prefix = record["kind"] + "/"
+    return {
+        prefix + key.removeprefix("eval_"): float(value)
+        for key, value in record.items()
+        if key not in SKIPPED and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
+def git_commit(root: str) -> str | None:
+    """The project's commit, "-dirty" when its files differ from it; None outside git."""
+    try:
+        commit, changes = (
+            subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+            for args in (["rev-parse", "HEAD"], ["status", "--porcelain"])
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if commit.returncode != 0:
+        return None
+    return commit.stdout.strip() + ("-dirty" if changes.stdout.strip() else "")
+
+
+def run_params(start: dict) -> dict:
+    """What the run is: its settings, the project's answers, its commit, and where it trains."""
+    answers = Path(start["root"]) / ".cookiecutter.json"
+    made_with = json.loads(answers.read_text()).get("cookiecutter", {}) if answers.exists() else {}
+    return {"config": start["config"], "project": made_with, "git_commit": git_commit(start["root"]), **start["facts"]}
+
+
+def flat(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{"train": {"lr": 0.001}} -> {"train.lr": "0.001"}: MLflow's params are flat strings."""
+    items = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            items |= flat(value, f"{prefix}{key}.")
+        else:
+            items[f"{prefix}{key}"] = json.dumps(value) if not isinstance(value, str) else value
+    return items
+
+
+class Tracker:
+    """What both trackers share: the steps already taken, so a resumed attempt's replay of the
+    steps after its checkpoint is not sent twice."""
+
+    def __init__(self, start: dict):
+        self.taken_path = Path(start["run_dir"]) / "tracking" / f"{type(self).NAME}.json"
+        self.taken_path.parent.mkdir(parents=True, exist_ok=True)
+        self.taken = json.loads(self.taken_path.read_text()) if self.taken_path.exists() else {}
+
+    def log(self, record: dict) -> None:
+        kind, step = record["kind"], record["step"]
+        if kind == "summary":
+            self.summary(record["summary"], step)
+            return
+        if step <= self.taken.get(kind, -1):  # an earlier attempt sent it: a replay after resuming
+            return
+        self.metrics(step, metrics_of(record))
+        self.taken[kind] = step
+        partial = self.taken_path.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.taken))
+        os.replace(partial, self.taken_path)
+
+
+class Wandb(Tracker):
+    """A W&B run with the tracked-run id; "step" (the optimizer step) is every metric's x-axis,
+    so W&B's own step counter, which drops a step lower than its last, never decides."""
+
+    NAME = "wandb"
+
+    def __init__(self, start: dict):
+        super().__init__(start)
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or start["project"],
+            id=start["id"],
+            name=start["name"],
+            resume="allow",
+            dir=start["run_dir"],
+            settings=wandb.Settings(init_timeout=start["timeout"]),
+        )
+        self.run.config.update(run_params(start), allow_val_change=True)
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({"step": step, **values})
+
+    def summary(self, values: dict, step: int) -> None:
+        self.run.summary.update(values)
+
+    def finish(self, status: str, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            artifact = self.wandb.Artifact(re.sub(r"[^\w.-]", "-", f"{self.run.name}-checkpoint"), type="model")
+            artifact.add_file(checkpoint)
+            self.run.log_artifact(artifact)
+        if status == "preempted":
+            self.run.mark_preempting()
+        self.run.finish(exit_code=1 if status == "failed" else 0)
+
+
+class Mlflow(Tracker):
+    """An MLflow run tagged with the tracked-run id, found again by that tag on every start."""
+
+    NAME = "mlflow"
+
+    def __init__(self, start: dict):
+        super().__init__(start)
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self.Metric, self.Param = Metric, Param
+        self.client = MlflowClient()  # MLFLOW_TRACKING_URI, else MLflow's default store
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or start["project"]
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        found = self.client.search_runs([experiment_id], f"tags.{ID_TAG} = '{start['id']}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            created = self.client.create_run(experiment_id, run_name=start["name"], tags={ID_TAG: start["id"]})
+            self.run_id = created.info.run_id
+        self.log_params(flat(run_params(start)), found[0].data.params if found else {})
+
+    def log_params(self, params: dict[str, str], logged: dict[str, str]) -> None:
+        """New params; MLflow refuses to change one, so a resume's changed settings become a tag."""
+        new = [self.Param(key, value[:6000]) for key, value in params.items() if key not in logged]
+        for first in range(0, len(new), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=new[first : first + 100])
+        changed = [f"{key}: {logged[key]} -> {new}" for key, new in params.items() if logged.get(key, new) != new]
+        if changed:
+            self.client.set_tag(self.run_id, f"changed_on_resume_{int(time.time())}", "; ".join(changed)[:5000])
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        batch = [self.Metric(key, value, now, step) for key, value in values.items() if math.isfinite(value)]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def summary(self, values: dict, step: int) -> None:
+        numbers = {f"summary/{key}": value for key, value in values.items() if isinstance(value, (int, float))}
+        self.metrics(step, numbers)
+
+    def finish(self, status: str, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            self.client.log_artifact(self.run_id, checkpoint, artifact_path="checkpoints")
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS[status])
+
+
+TRACKERS = {tracker.NAME: tracker for tracker in (Wandb, Mlflow)}
+
+
+def serve(tracker_class, answers) -> int:
+    """Answer rank 0's messages until its finish, or until rank 0 is gone."""
+    tracker, timeout = None, 60.0
+    for line in sys.stdin:
+        message = json.loads(line)
+        try:
+            if message["op"] == "start":
+                timeout = message["timeout"]
+                tracker = tracker_class(message)
+            elif message["op"] == "log":
+                tracker.log(message["record"])
+            else:
+                tracker.finish(message["status"], message["checkpoint"])
+        except Exception as error:  # reported to rank 0, which drops this tracker
+            answers.write(json.dumps({"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]}) + "\n")
+            return 1
+        answers.write(json.dumps({"ok": True}) + "\n")
+        if message["op"] == "finish":
+            return 0
+    if tracker is not None:  # rank 0 ended without finishing: killed, or its node lost
+        signal.alarm(max(1, math.ceil(timeout)))  # the default action ends this process
+        tracker.finish("failed", None)
+    return 0
+
+
+def main(argv=None) -> int:
+    (name,) = sys.argv[1:] if argv is None else argv
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop, signal.SIG_IGN)
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the libraries' prints go to stderr, not into the answers
+    return serve(TRACKERS[name], answers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

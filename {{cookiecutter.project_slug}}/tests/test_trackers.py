@@ -1,0 +1,305 @@
+"""W&B and MLflow (run.trackers): one tracked run per training run, on global rank 0 only, and
+never a reason for training to stop.
+
+The fast tests check the settings, the tracked-run id and a tracker that stops answering. The
+slow ones train on 2 ranks against real stores, all offline: MLflow on a SQLite file, W&B in
+offline mode. W&B has no reader for its offline files, so `wandb_history` reads them itself:
+the file is a sequence of W&B's protobuf `Record`s in LevelDB's log framing (7-byte header,
+32 KiB blocks); the test checks the run record's id and config, and every history row's step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, project_env, read_metrics, wait_for
+
+from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records
+from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.tools import tracker_worker, tracking
+
+needs_mlflow = pytest.mark.skipif(
+    importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed: pip install -e '.[mlflow]'"
+)
+needs_wandb = pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None, reason="wandb is not installed: pip install -e '.[wandb]'"
+)
+
+
+def test_unknown_or_missing_trackers_are_config_errors_that_name_the_fix(monkeypatch):
+    with pytest.raises(ConfigError, match=r"run.trackers: \['neptune'\] is invalid; use \[wandb\]"):
+        config.load(SMOKE_CONFIG, ["run.trackers=[neptune]"])
+    with pytest.raises(ConfigError, match="is invalid"):
+        config.load(SMOKE_CONFIG, ["run.trackers=[mlflow, mlflow]"])
+    monkeypatch.setattr(tracking, "installed", lambda name: False)
+    with pytest.raises(ConfigError, match=r"wandb is not installed; pip install -e '.\[wandb\]', or remove it"):
+        tracking.check(["wandb"])
+    tracking.check([])  # no trackers: nothing to find
+
+
+def test_the_tracked_run_id_is_kept_in_the_run_and_a_new_run_name_gets_its_own(tmp_path):
+    run_dir, other = tmp_path / "a", tmp_path / "b"
+    first = tracking.tracked_run_id(run_dir, None, None)
+    assert tracking.tracked_run_id(run_dir, None, None) == first  # every later start continues it
+    assert json.loads((run_dir / "tracking" / "run.json").read_text()) == {"id": first}
+    own = run_dir / "checkpoints" / "step_00000010.pt"
+    (run_dir / "tracking" / "run.json").unlink()  # lost: the run's own checkpoint still carries it
+    assert tracking.tracked_run_id(run_dir, own, first) == first
+    assert tracking.tracked_run_id(other, own, first) not in (first, None)  # another run's checkpoint: a new run
+
+
+def test_only_global_rank_0_opens_trackers(tmp_path):
+    cfg = config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}", "run.trackers=[wandb, mlflow]"])
+    rank_1 = DistInfo(1, 0, 2, 1, torch.device("cpu"), "gloo")
+    assert tracking.open_trackers(cfg, rank_1, None, "kept") == (None, "kept")
+    assert not (tmp_path / "smoke" / "tracking").exists()
+
+
+def test_records_become_tracker_metrics_and_settings_flat_params():
+    train = {"kind": "train", "step": 10, "epoch": 0, "loss": 0.5, "lr": 1e-3, "world_size": 2, "start_step": 0}
+    assert tracker_worker.metrics_of(train) == {"train/epoch": 0.0, "train/loss": 0.5, "train/lr": 1e-3}
+    evaluation = {"kind": "eval", "step": 10, "epoch": 0, "eval_accuracy": 0.9, "eval_samples": 500}
+    assert tracker_worker.metrics_of(evaluation) == {"eval/epoch": 0.0, "eval/accuracy": 0.9, "eval/samples": 500.0}
+    params = tracker_worker.flat({"config": {"train": {"lr": 0.001, "compile": False}, "run": {"name": "a"}}})
+    assert params == {"config.train.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
+
+
+def test_a_tracker_that_stops_answering_is_dropped_with_one_warning_and_never_waited_on(tmp_path, capsys):
+    """A hang of the tracker itself, not a patched library: its process is stopped (SIGSTOP)
+    before it reads its first message, so it never imports or calls anything."""
+    process = tracking.TrackerProcess("mlflow", timeout=0.5)
+    os.kill(process.process.pid, signal.SIGSTOP)
+    process.call("start", "start", run_dir=str(tmp_path))
+    time.sleep(0.6)
+    began = time.monotonic()
+    for step in (10, 20):
+        process.call("log", f"the train record of step {step}", record={"kind": "train", "step": step})
+    process.finish("finished", None)
+    process.wait()
+    assert time.monotonic() - began < 0.5  # dropped: nothing more is waited for
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=0.5 s; "
+        "training goes on without it (metrics.jsonl keeps every record)"
+    ]
+    assert process.process.poll() is not None  # killed, not left behind
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(tmp_path: Path, *overrides: str, nproc: int = 2, **env: str) -> subprocess.Popen:
+    """scripts/train.sh on `nproc` CPU ranks with the tracker environment `env`, in a session of its own."""
+    arguments = ["--config", SMOKE_CONFIG, *TINY, f"run.out_dir={tmp_path}", "run.log_every=5", "data.num_workers=0"]
+    return subprocess.Popen(
+        ["bash", str(PROJECT / "scripts" / "train.sh"), *arguments, *overrides],
+        cwd=tmp_path,  # MLflow's and W&B's defaults write beside the launch, not into the project
+        env=project_env(NPROC_PER_NODE=str(nproc), **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def stopped_and_resumed(tmp_path: Path, trackers: list[str], **env: str) -> tuple[int, int]:
+    """Train, stop with SIGTERM once every tracker took a few records (exit 75), then continue from
+    a checkpoint older than the stop's, so the steps in between are replayed, to the end.
+    Returns (the stop's step, the last step)."""
+    taken, named = tmp_path / "smoke" / "tracking", f"run.trackers=[{', '.join(trackers)}]"
+    job = launch(tmp_path, "train.epochs=200", "checkpoint.every_steps=10", named, **env)
+    try:
+        wait_for(lambda: all(steps_taken(taken / f"{name}.json") >= 20 for name in trackers), 90)
+        job.send_signal(signal.SIGTERM)
+        ((code, stdout, stderr),) = finish([job], timeout=90)
+    finally:
+        job.kill()
+    assert code == preemption.PREEMPTED_EXIT_CODE, stderr[-3000:]
+    stop = int((tmp_path / "smoke" / "checkpoints" / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
+    older = tmp_path / "smoke" / "checkpoints" / f"step_{(stop - 1) // 10 * 10:08d}.pt"
+    last = stop + 15
+    rerun = launch(tmp_path, "train.epochs=200", f"train.max_steps={last}", f"checkpoint.resume={older}", named, **env)
+    ((code, stdout, stderr),) = finish([rerun], timeout=120)
+    assert code == 0 and f"done: {last} steps" in stdout, stderr[-3000:]
+    assert "warning:" not in stderr, stderr
+    return stop, last
+
+
+def steps_taken(path: Path) -> int:
+    try:
+        return json.loads(path.read_text()).get("train", -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The steps of the train records in metrics.jsonl, each once (a replay logs some twice)."""
+    return sorted({r["step"] for r in records.of_kind(read_metrics(run_dir), records.TRAIN)})
+
+
+def wandb_records(path: Path):
+    """The protobuf records of one W&B offline file (see the module docstring)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, pending, block = path.read_bytes(), 7, b"", 32768
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_items(items) -> dict:
+    """W&B's key/value items; a key holding "/" is kept as its parts."""
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def wandb_history(run_dir: Path) -> list[tuple[str, dict, list[int]]]:
+    """Each offline run directory's (run id, config, steps of its history rows carrying train/loss)."""
+    found = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        run_id, settings, steps = None, {}, []
+        for record in wandb_records(path):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run_id = record.run.run_id
+                settings |= wandb_items(record.run.config.update)
+            if kind == "config":
+                settings |= wandb_items(record.config.update)
+            if kind == "history":
+                row = wandb_items(record.history.item)
+                steps += [row["step"]] if "train/loss" in row else []
+        found.append((run_id, settings, steps))
+    return found
+
+
+@needs_mlflow
+@needs_wandb
+@pytest.mark.slow
+def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_each_step_once(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    environment = {"MLFLOW_TRACKING_URI": store, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    stop, last = stopped_and_resumed(tmp_path, ["mlflow", "wandb"], **environment)
+    every_step = list(range(5, last + 1, 5))
+    assert stop < last and logged_steps(tmp_path / "smoke") == every_step
+    tracked = json.loads((tmp_path / "smoke" / "tracking" / "run.json").read_text())["id"]
+    saved = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / f"step_{last:08d}.pt")
+    assert saved["tracked_run_id"] == tracked
+
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id])
+    assert [metric.step for metric in client.get_metric_history(run.info.run_id, "train/loss")] == every_step
+    assert run.info.status == "FINISHED" and run.info.run_name == "smoke" and run.data.tags["tracked_run_id"] == tracked
+    params = run.data.params
+    assert params["config.run.trackers"] == '["mlflow", "wandb"]'
+    assert params["config.train.lr"] == json.dumps(saved["config"]["train"]["lr"])
+    assert params["world_size"] == "2" and params["project.project_slug"] == "{{ cookiecutter.project_slug }}"
+    assert params["config.train.max_steps"] == "null"  # the first start's value is kept, the change is a tag
+    assert any(tag.startswith("changed_on_resume") for tag in run.data.tags)
+
+    fragments = wandb_history(tmp_path / "smoke")  # offline: one directory per start, `wandb sync` both
+    assert [run_id for run_id, _, _ in fragments] == [tracked, tracked]
+    assert [step for _, _, steps in fragments for step in steps] == every_step
+    assert fragments[0][1]["config"]["run"]["trackers"] == ["mlflow", "wandb"] and fragments[0][1]["world_size"] == 2
+
+
+@needs_mlflow
+@needs_wandb
+@pytest.mark.slow
+def test_failing_trackers_warn_once_each_and_training_finishes_with_exit_0(tmp_path):
+    job = launch(
+        tmp_path,
+        "run.trackers=[wandb, mlflow]",
+        "run.tracker_timeout_s=3",
+        "train.max_steps=40",
+        MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",  # nothing listens: MLflow retries, silent
+        WANDB_MODE="online",  # without an API key: wandb.init raises
+        WANDB_API_KEY="",
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+        HOME=str(tmp_path),  # no ~/.netrc login
+    )
+    ((code, stdout, stderr),) = finish([job], timeout=120)
+    assert code == 0 and "done: 40 steps" in stdout, stderr[-3000:]
+    warnings = sorted(line for line in stderr.splitlines() if line.startswith("warning: tracker"))
+    assert len(warnings) == 2, stderr
+    assert warnings[0].startswith("warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=3")
+    assert warnings[1].startswith("warning: tracker wandb dropped: UsageError:")
+    saved = read_metrics(tmp_path / "smoke")
+    assert [r["step"] for r in records.of_kind(saved, records.TRAIN)] == list(range(5, 41, 5))
+    assert records.of_kind(saved, records.SUMMARY)
+    assert (tmp_path / "smoke" / "checkpoints" / "step_00000040.pt").exists()
+
+
+@needs_mlflow
+@pytest.mark.slow
+def test_a_tracker_that_hangs_mid_run_is_dropped_and_the_run_ends_on_time(tmp_path, capsys, monkeypatch):
+    """MLflow answers its start and first records, then its process stops (SIGSTOP): a log
+    call that never returns, as a stalled server or a locked SQLite file on NFS would leave it."""
+    start = {
+        "id": "hang",
+        "name": "smoke",
+        "project": "hangs",
+        "run_dir": str(tmp_path),
+        "root": str(PROJECT),
+        "timeout": 30,
+        "config": {},
+        "facts": {},
+    }
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    trackers = tracking.Trackers(["mlflow"], start, timeout=30, upload_checkpoint=False)
+    (process,) = trackers.processes
+    trackers.write({"kind": "train", "step": 5, "loss": 1.0})
+    wait_for(lambda: not process.unanswered or process.failure, timeout=60)  # started and logging
+    assert process.failure is None
+    os.kill(process.process.pid, signal.SIGSTOP)
+    process.timeout = 1.0
+    trackers.write({"kind": "train", "step": 10, "loss": 0.5})
+    began = time.monotonic()
+    trackers.close("finished")
+    assert time.monotonic() - began < 2.5
+    err = capsys.readouterr().err
+    assert "warning: tracker mlflow dropped: no answer to the train record of step 10 within" in err
+
+
+@needs_mlflow
+@needs_wandb
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="the loopback nodes' drill reads /proc")
+def test_on_two_nodes_only_global_rank_0_creates_a_tracked_run(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+    from test_multinode import start_nodes
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for name, value in {"MLFLOW_TRACKING_URI": store, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(name, value)  # the nodes inherit the test's environment
+    nodes = start_nodes(tmp_path, "train.max_steps=20", "run.trackers=[wandb, mlflow]", "run.log_every=5")
+    results = finish(nodes, timeout=120)
+    assert [code for code, _, _ in results] == [0, 0], "\n".join(err[-3000:] for _, _, err in results)
+    client = MlflowClient(store)
+    experiments = client.search_experiments()
+    runs = client.search_runs([experiment.experiment_id for experiment in experiments])
+    assert len(runs) == 1 and len(list((tmp_path / "smoke" / "wandb").glob("offline-run-*"))) == 1
