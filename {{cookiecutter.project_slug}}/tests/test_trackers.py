@@ -19,10 +19,11 @@ import struct
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, project_env, read_metrics, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, finish, project_env, read_metrics, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -50,20 +51,34 @@ def test_unknown_or_missing_trackers_are_config_errors_that_name_the_fix(monkeyp
 
 def test_the_tracked_run_id_is_kept_in_the_run_and_a_new_run_name_gets_its_own(tmp_path):
     run_dir, other = tmp_path / "a", tmp_path / "b"
-    first = tracking.tracked_run_id(run_dir, None, None)
-    assert tracking.tracked_run_id(run_dir, None, None) == first  # every later start continues it
-    assert json.loads((run_dir / "tracking" / "run.json").read_text()) == {"id": first}
     own = run_dir / "checkpoints" / "step_00000010.pt"
-    (run_dir / "tracking" / "run.json").unlink()  # lost: the run's own checkpoint still carries it
-    assert tracking.tracked_run_id(run_dir, own, first) == first
-    assert tracking.tracked_run_id(other, own, first) not in (first, None)  # another run's checkpoint: a new run
+    first = tracking.tracked_run_id(run_dir, None, None)  # the first start
+    assert json.loads((run_dir / "tracking" / "run.json").read_text()) == {"id": first}
+    assert tracking.tracked_run_id(run_dir, own, first) == first  # a resume continues the checkpoint's
+    assert tracking.tracked_run_id(run_dir, own, None) == first  # a checkpoint from before a tracker was named
+    assert tracking.tracked_run_id(other, own, first) != first  # another run's checkpoint: a new tracked run
+    assert tracking.tracked_run_id(run_dir, None, None) != first  # a fresh start (checkpoint.resume=never) too
 
 
-def test_only_global_rank_0_opens_trackers(tmp_path):
+def test_only_global_rank_0_starts_trackers(tmp_path):
     cfg = config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}", "run.trackers=[wandb, mlflow]"])
-    rank_1 = DistInfo(1, 0, 2, 1, torch.device("cpu"), "gloo")
-    assert tracking.open_trackers(cfg, rank_1, None, "kept") == (None, "kept")
-    assert not (tmp_path / "smoke" / "tracking").exists()
+    rank_1, trackers = DistInfo(1, 0, 2, 1, torch.device("cpu"), "gloo"), tracking.Trackers()
+    assert trackers.start(cfg, rank_1, None, SimpleNamespace(tracked_run_id="kept", step=0)) == "kept"
+    assert trackers.processes == [] and not (tmp_path / "smoke" / "tracking").exists()
+
+
+def test_a_resumed_start_sends_each_tracker_what_it_missed_up_to_the_checkpoint(tmp_path):
+    run_dir = tmp_path / "a"
+    lines = [{"kind": "train", "step": s, "start_step": 0, "elapsed_s": s, "loss": 1.0} for s in (5, 10, 15, 20)]
+    lines.append({"kind": "eval", "step": 20, "eval_loss": 1.0})
+    lines += [{"kind": "train", "step": s, "start_step": 10, "elapsed_s": s, "loss": 0.5} for s in (15, 20, 25)]
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tracking.taken_file(run_dir, "mlflow", "x").parent.mkdir()
+    tracking.taken_file(run_dir, "mlflow", "x").write_text(json.dumps({"train": 5}))
+    missed = tracking.missed(run_dir, "mlflow", "x", first_step=20)  # the attempt that resumed at 10 went to 25
+    assert [(r["step"], r["loss"]) for r in missed] == [(10, 1.0), (15, 0.5), (20, 0.5)]  # the timeline's train
+    assert [r["step"] for r in tracking.missed(run_dir, "wandb", "x", first_step=10)] == [5, 10]  # never took any
 
 
 def test_records_become_tracker_metrics_and_settings_flat_params():
@@ -86,13 +101,13 @@ def test_a_tracker_that_stops_answering_is_dropped_with_one_warning_and_never_wa
     for step in (10, 20):
         process.call("log", f"the train record of step {step}", record={"kind": "train", "step": step})
     process.finish("finished", None)
-    process.wait()
+    process.wait(deadline=time.monotonic() + 10)
     assert time.monotonic() - began < 0.5  # dropped: nothing more is waited for
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert warnings == [
-        "warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=0.5 s; "
-        "training goes on without it (metrics.jsonl keeps every record)"
-    ]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=0.5 s (MLflow at "
+    )
+    assert warnings[0].endswith("; training goes on without it (metrics.jsonl keeps every record)")
     assert process.process.poll() is not None  # killed, not left behind
 
 
@@ -116,19 +131,20 @@ def launch(tmp_path: Path, *overrides: str, nproc: int = 2, **env: str) -> subpr
     )
 
 
-def stopped_and_resumed(tmp_path: Path, trackers: list[str], **env: str) -> tuple[int, int]:
-    """Train, stop with SIGTERM once every tracker took a few records (exit 75), then continue from
-    a checkpoint older than the stop's, so the steps in between are replayed, to the end.
-    Returns (the stop's step, the last step)."""
-    taken, named = tmp_path / "smoke" / "tracking", f"run.trackers=[{', '.join(trackers)}]"
+def stopped_and_resumed(tmp_path: Path, trackers: list[str], when_stopped, **env: str) -> tuple[int, int]:
+    """Train, stop with SIGTERM once every tracker took a few records (exit 75), call
+    `when_stopped()`, then continue from a checkpoint older than the stop's, so the steps in
+    between are replayed, to the end. Returns (the stop's step, the last step)."""
+    named = f"run.trackers=[{', '.join(trackers)}]"
     job = launch(tmp_path, "train.epochs=200", "checkpoint.every_steps=10", named, **env)
     try:
-        wait_for(lambda: all(steps_taken(taken / f"{name}.json") >= 20 for name in trackers), 90)
+        wait_for(lambda: all(taken_by(tmp_path, name) >= 20 for name in trackers), 90)
         job.send_signal(signal.SIGTERM)
         ((code, stdout, stderr),) = finish([job], timeout=90)
     finally:
         job.kill()
     assert code == preemption.PREEMPTED_EXIT_CODE, stderr[-3000:]
+    when_stopped()
     stop = int((tmp_path / "smoke" / "checkpoints" / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
     older = tmp_path / "smoke" / "checkpoints" / f"step_{(stop - 1) // 10 * 10:08d}.pt"
     last = stop + 15
@@ -139,8 +155,10 @@ def stopped_and_resumed(tmp_path: Path, trackers: list[str], **env: str) -> tupl
     return stop, last
 
 
-def steps_taken(path: Path) -> int:
+def taken_by(out_dir: Path, tracker: str) -> int:
+    """The last train step `tracker` took in the run "smoke" under `out_dir`, or -1."""
     try:
+        (path,) = (out_dir / "smoke" / "tracking").glob(f"{tracker}-*.json")
         return json.loads(path.read_text()).get("train", -1)
     except (OSError, ValueError):
         return -1
@@ -176,11 +194,12 @@ def wandb_items(items) -> dict:
     return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
 
 
-def wandb_history(run_dir: Path) -> list[tuple[str, dict, list[int]]]:
-    """Each offline run directory's (run id, config, steps of its history rows carrying train/loss)."""
+def wandb_history(run_dir: Path) -> list[tuple[str, dict, list[int], int]]:
+    """Each offline run directory's (run id, config, steps of its history rows carrying
+    train/loss, exit code)."""
     found = []
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        run_id, settings, steps = None, {}, []
+        run_id, settings, steps, exit_code = None, {}, [], None
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
@@ -191,7 +210,9 @@ def wandb_history(run_dir: Path) -> list[tuple[str, dict, list[int]]]:
             if kind == "history":
                 row = wandb_items(record.history.item)
                 steps += [row["step"]] if "train/loss" in row else []
-        found.append((run_id, settings, steps))
+            if kind == "exit":
+                exit_code = record.exit.exit_code
+        found.append((run_id, settings, steps, exit_code))
     return found
 
 
@@ -203,14 +224,19 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     environment = {"MLFLOW_TRACKING_URI": store, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    stop, last = stopped_and_resumed(tmp_path, ["mlflow", "wandb"], **environment)
+    client = MlflowClient(store)
+
+    def preempted_in_mlflow():
+        (run,) = client.search_runs([client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id])
+        assert run.info.status == "KILLED"
+
+    stop, last = stopped_and_resumed(tmp_path, ["mlflow", "wandb"], preempted_in_mlflow, **environment)
     every_step = list(range(5, last + 1, 5))
     assert stop < last and logged_steps(tmp_path / "smoke") == every_step
     tracked = json.loads((tmp_path / "smoke" / "tracking" / "run.json").read_text())["id"]
     saved = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / f"step_{last:08d}.pt")
     assert saved["tracked_run_id"] == tracked
 
-    client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id])
     assert [metric.step for metric in client.get_metric_history(run.info.run_id, "train/loss")] == every_step
     assert run.info.status == "FINISHED" and run.info.run_name == "smoke" and run.data.tags["tracked_run_id"] == tracked
@@ -222,9 +248,10 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
     assert any(tag.startswith("changed_on_resume") for tag in run.data.tags)
 
     fragments = wandb_history(tmp_path / "smoke")  # offline: one directory per start, `wandb sync` both
-    assert [run_id for run_id, _, _ in fragments] == [tracked, tracked]
-    assert [step for _, _, steps in fragments for step in steps] == every_step
+    assert [run_id for run_id, *_ in fragments] == [tracked, tracked]
+    assert [step for _, _, steps, _ in fragments for step in steps] == every_step
     assert fragments[0][1]["config"]["run"]["trackers"] == ["mlflow", "wandb"] and fragments[0][1]["world_size"] == 2
+    assert [exit_code for *_, exit_code in fragments] == [preemption.PREEMPTED_EXIT_CODE, 0]  # preempted, finished
 
 
 @needs_mlflow
@@ -234,8 +261,9 @@ def test_failing_trackers_warn_once_each_and_training_finishes_with_exit_0(tmp_p
     job = launch(
         tmp_path,
         "run.trackers=[wandb, mlflow]",
-        "run.tracker_timeout_s=3",
+        "run.tracker_timeout_s=8",
         "train.max_steps=40",
+        "dist.timeout_minutes=0.05",  # rank 0 waits for MLflow after leaving the group, not at a barrier
         MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}",  # nothing listens: MLflow retries, silent
         WANDB_MODE="online",  # without an API key: wandb.init raises
         WANDB_API_KEY="",
@@ -246,7 +274,7 @@ def test_failing_trackers_warn_once_each_and_training_finishes_with_exit_0(tmp_p
     assert code == 0 and "done: 40 steps" in stdout, stderr[-3000:]
     warnings = sorted(line for line in stderr.splitlines() if line.startswith("warning: tracker"))
     assert len(warnings) == 2, stderr
-    assert warnings[0].startswith("warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=3")
+    assert warnings[0].startswith("warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=8")
     assert warnings[1].startswith("warning: tracker wandb dropped: UsageError:")
     saved = read_metrics(tmp_path / "smoke")
     assert [r["step"] for r in records.of_kind(saved, records.TRAIN)] == list(range(5, 41, 5))
@@ -257,32 +285,63 @@ def test_failing_trackers_warn_once_each_and_training_finishes_with_exit_0(tmp_p
 @needs_mlflow
 @pytest.mark.slow
 def test_a_tracker_that_hangs_mid_run_is_dropped_and_the_run_ends_on_time(tmp_path, capsys, monkeypatch):
-    """MLflow answers its start and first records, then its process stops (SIGSTOP): a log
-    call that never returns, as a stalled server or a locked SQLite file on NFS would leave it."""
-    start = {
-        "id": "hang",
-        "name": "smoke",
-        "project": "hangs",
-        "run_dir": str(tmp_path),
-        "root": str(PROJECT),
-        "timeout": 30,
-        "config": {},
-        "facts": {},
-    }
+    """MLflow answers its start and first record, then its process stops (SIGSTOP): a log call
+    that never returns, as a stalled server or a locked SQLite file on NFS would leave it."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    trackers = tracking.Trackers(["mlflow"], start, timeout=30, upload_checkpoint=False)
-    (process,) = trackers.processes
-    trackers.write({"kind": "train", "step": 5, "loss": 1.0})
+    process = tracking.TrackerProcess("mlflow", timeout=60)
+    facts = {"id": "hang", "name": "smoke", "project": "hangs", "run_dir": str(tmp_path), "timeout": 60}
+    process.call("start", "start", **facts, root=str(PROJECT), config={}, facts={})
+    process.call("log", "the train record of step 5", record={"kind": "train", "step": 5, "loss": 1.0})
     wait_for(lambda: not process.unanswered or process.failure, timeout=60)  # started and logging
     assert process.failure is None
     os.kill(process.process.pid, signal.SIGSTOP)
     process.timeout = 1.0
-    trackers.write({"kind": "train", "step": 10, "loss": 0.5})
+    process.call("log", "the train record of step 10", record={"kind": "train", "step": 10, "loss": 0.5})
     began = time.monotonic()
-    trackers.close("finished")
+    process.finish("finished", None)
+    process.wait(deadline=time.monotonic() + 30)
     assert time.monotonic() - began < 2.5
-    err = capsys.readouterr().err
-    assert "warning: tracker mlflow dropped: no answer to the train record of step 10 within" in err
+    assert "warning: tracker mlflow dropped: no answer to the train record of step 10 within" in capsys.readouterr().err
+
+
+@needs_mlflow
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the tracker's process in /proc")
+def test_when_rank_0_is_killed_its_tracker_marks_the_run_failed_and_exits(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    job = launch(tmp_path, "run.trackers=[mlflow]", "train.epochs=200", MLFLOW_TRACKING_URI=store)
+    try:
+        wait_for(lambda: taken_by(tmp_path, "mlflow") >= 10, 90)
+        (tracker,) = [pid for pid in descendants(job.pid) if b"tracker_worker" in command_line(pid)]
+        rank_0 = int(process_stat(tracker)[1])  # the tracker's parent
+        os.kill(tracker, signal.SIGSTOP)  # in the middle of whatever it does, as a slow server would hold it
+        os.kill(rank_0, signal.SIGKILL)
+        os.kill(tracker, signal.SIGCONT)
+        finish([job], timeout=60)
+    finally:
+        job.kill()
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id
+    wait_for(lambda: client.search_runs([experiment])[0].info.status == "FAILED", timeout=30)
+    wait_for(lambda: not running(tracker), timeout=30)  # not left behind: orphaned, it ends itself
+
+
+def command_line(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def process_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def running(pid: int) -> bool:
+    try:
+        return process_stat(pid)[0] != "Z"
+    except OSError:
+        return False
 
 
 @needs_mlflow

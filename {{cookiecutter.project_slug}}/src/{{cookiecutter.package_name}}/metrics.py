@@ -84,7 +84,8 @@ class TrainingLog:
     and summary lines. `trackers` (tracking.Trackers, rank 0's W&B/MLflow, or None) are sent the
     same records. `profiler` (a profiling.ProfileWindow, or None) traces the steps of
     run.profile_steps. Use it as a context manager: leaving closes the bar, profiler and board,
-    and ends the tracked runs as finished (after `summary`), failed (an error) or preempted.
+    and tells the trackers the run ended: finished (after `summary`), failed (an error) or
+    preempted.
     """
 
     def __init__(
@@ -266,7 +267,7 @@ class TrainingLog:
         self.close(failed=error_type is not None)
 
     def close(self, failed: bool = False) -> None:
-        """Finish the progress bar, an open profiler window, the TensorBoard file and the tracked runs."""
+        """Finish the progress bar, an open profiler window and the TensorBoard file; end the tracked runs."""
         self.bar.close()
         if self.profiler is not None:
             self.profiler.close()
@@ -274,4 +275,4 @@ class TrainingLog:
             self.board.close()
         if self.trackers is not None:
             status = "failed" if failed else "finished" if self.finished else "preempted"
-            self.trackers.close(status, self.final_checkpoint)
+            self.trackers.end(status, self.final_checkpoint)

@@ -28,3 +28,22 @@ def read(path: str | Path) -> list[dict]:
 
 def of_kind(records: list[dict], kind: str) -> list[dict]:
     return [record for record in records if kind_of(record) == kind]
+
+
+def current_timeline(logged: list[dict]) -> list[dict]:
+    """The records of the run as it went on: when an attempt resumed from a checkpoint at step S,
+    what earlier attempts had logged after S was superseded, as TensorBoard purges it."""
+    kept: list[dict] = []
+    attempt = (None, float("inf"))  # (start_step, elapsed_s) of the latest log window
+    for record in logged:
+        if "start_step" in record:
+            if record["start_step"] != attempt[0] or record["elapsed_s"] < attempt[1]:  # a new attempt
+                kept = [r for r in kept if r["step"] <= record["start_step"]]
+            attempt = (record["start_step"], record["elapsed_s"])
+        kept.append(record)
+    return kept
+
+
+def latest_per_step(logged: list[dict]) -> list[dict]:
+    """One record per step, in step order; where a step was logged twice, the later record wins."""
+    return sorted({r["step"]: r for r in logged}.values(), key=lambda r: r["step"])

@@ -57,7 +57,10 @@ def main(argv=None) -> int:
         check_hardware(cfg, info)
         tensorboard.check(cfg.run.tensorboard)
         tracking.check(cfg.run.trackers)
-    return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: run(cfg, info))
+    trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
+    code = dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: run(cfg, info, trackers))
+    trackers.wait()  # out of the process group: no rank waits at a barrier for rank 0's trackers
+    return code
 
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:
@@ -91,8 +94,9 @@ class Job:
     total_steps: int
 
 
-def run(cfg: Config, info: DistInfo) -> int:
-    """Build, resume, train and save; returns the process exit code."""
+def run(cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> int:
+    """Build, resume, train and save; returns the process exit code. `trackers` (empty, from
+    `main`) are started here and told the run's end; the caller waits for them."""
     job = build(cfg, info)
     problem = dist.shared_dir_problem(info, cfg.run_dir)  # every rank loads the checkpoint it resumes from
     if problem:
@@ -104,7 +108,9 @@ def run(cfg: Config, info: DistInfo) -> int:
     if info.is_main:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir / "config.yaml")
-    with training_log(job, cfg, info, resumed) as log:
+    if trackers is not None:
+        job.state.tracked_run_id = trackers.start(cfg, info, resumed, job.state)
+    with training_log(job, cfg, info, trackers) as log:
         report_startup(cfg, info, job, log, resumed)
         outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
         final = save_checkpoint(job.state, cfg, info)
@@ -153,10 +159,10 @@ def build(cfg: Config, info: DistInfo) -> Job:
     return Job(model, eval_model, state, train_loader, eval_loader, global_batch, lr, warmup, workers, total_steps)
 
 
-def training_log(job: Job, cfg: Config, info: DistInfo, resumed=None) -> TrainingLog:
+def training_log(job: Job, cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> TrainingLog:
     """metrics.jsonl and the console, with the task's throughput and MFU where a peak is known;
-    TensorBoard (run.tensorboard), W&B/MLflow (run.trackers) and a profiler window (run.profile_steps)."""
-    trackers, job.state.tracked_run_id = tracking.open_trackers(cfg, info, resumed, job.state.tracked_run_id)
+    TensorBoard (run.tensorboard), started `trackers` (run.trackers) and a profiler window
+    (run.profile_steps)."""
     return TrainingLog(
         info,
         cfg.run_dir / "metrics.jsonl",

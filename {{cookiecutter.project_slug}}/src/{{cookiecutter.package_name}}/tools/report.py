@@ -44,25 +44,6 @@ class Run:
     settings: dict = field(default_factory=dict)  # "section.key" -> value, from config.yaml
 
 
-def current_timeline(logged: list[dict]) -> list[dict]:
-    """The records of the run as it went on: when an attempt resumed from a checkpoint at step S,
-    what earlier attempts had logged after S was superseded, as TensorBoard purges it."""
-    kept: list[dict] = []
-    attempt = (None, float("inf"))  # (start_step, elapsed_s) of the latest log window
-    for record in logged:
-        if "start_step" in record:
-            if record["start_step"] != attempt[0] or record["elapsed_s"] < attempt[1]:  # a new attempt
-                kept = [r for r in kept if r["step"] <= record["start_step"]]
-            attempt = (record["start_step"], record["elapsed_s"])
-        kept.append(record)
-    return kept
-
-
-def latest_per_step(records: list[dict]) -> list[dict]:
-    """One record per step, in step order; where a step was logged twice, the later record wins."""
-    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
-
-
 def wall_time(logged: list[dict]) -> float | None:
     """Seconds of training over every attempt: each attempt's clock starts again at zero."""
     clocks = [
@@ -96,11 +77,11 @@ def read_run(run_dir: Path, label: str) -> Run:
     logged = records.read(path)
     config_file = run_dir / "config.yaml"
     settings = flatten(yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
-    timeline = current_timeline(logged)
+    timeline = records.current_timeline(logged)
     return Run(
         label=label,
-        train=latest_per_step(records.of_kind(timeline, records.TRAIN)),
-        evals=latest_per_step(records.of_kind(timeline, records.EVAL)),
+        train=records.latest_per_step(records.of_kind(timeline, records.TRAIN)),
+        evals=records.latest_per_step(records.of_kind(timeline, records.EVAL)),
         wall_s=wall_time(logged),
         settings=settings,
     )

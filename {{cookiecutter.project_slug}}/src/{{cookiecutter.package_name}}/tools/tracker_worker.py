@@ -1,16 +1,19 @@
 """One experiment tracker's process, started and fed by rank 0 (see tracking.py).
 
-    python -m {{ cookiecutter.package_name }}.tools.tracker_worker wandb|mlflow
+    python -m {{ cookiecutter.package_name }}.tools.tracker_worker wandb|mlflow TIMEOUT_S
 
 Reads one JSON message a line on stdin (start, then the records of metrics.jsonl, then finish),
 calls W&B or MLflow, and answers each line on stdout in order: {"ok": true}, or {"error": ...}
 and exit. Stop signals are ignored: rank 0 finishes the tracked run after its stop checkpoint.
-If rank 0 disappears (stdin closes before a finish), the tracked run is marked failed within
-the time limit. Imports neither torch nor the training code.
+If rank 0 disappears (its pipe closes, or this process is orphaned), the tracked run is marked
+failed and this process ends within the time limit, even if a call hangs. One process at a
+time serves a tracker of a run directory (a lock), so a restarted rank 0's tracker waits for
+the one its predecessor left. Imports neither torch nor the training code.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -18,12 +21,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 ID_TAG = "tracked_run_id"  # MLflow: the tag that finds a training run's MLflow run again
 SKIPPED = {"kind", "step", "start_step", "world_size"}  # record fields that are not metrics
 MLFLOW_STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
+PREEMPTED_EXIT_CODE = 75  # W&B shows a run marked preempting that ends non-zero as preempted
 
 
 def metrics_of(record: dict) -> dict[str, float]:
@@ -73,9 +78,13 @@ class Tracker:
     steps after its checkpoint is not sent twice."""
 
     def __init__(self, start: dict):
-        self.taken_path = Path(start["run_dir"]) / "tracking" / f"{type(self).NAME}.json"
-        self.taken_path.parent.mkdir(parents=True, exist_ok=True)
+        directory = Path(start["run_dir"]) / "tracking"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.lock = open(directory / f"{self.NAME}.lock", "w")  # noqa: SIM115 (held for the process's life)
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        self.taken_path = directory / f"{self.NAME}-{start['id']}.json"
         self.taken = json.loads(self.taken_path.read_text()) if self.taken_path.exists() else {}
+        self.note = ""  # where the run is tracked, for rank 0's console
 
     def log(self, record: dict) -> None:
         kind, step = record["kind"], record["step"]
@@ -108,9 +117,12 @@ class Wandb(Tracker):
             name=start["name"],
             resume="allow",
             dir=start["run_dir"],
-            settings=wandb.Settings(init_timeout=start["timeout"]),
+            settings=wandb.Settings(init_timeout=0.8 * start["timeout"]),  # W&B's own error, before rank 0's limit
         )
         self.run.config.update(run_params(start), allow_val_change=True)
+        self.note = f"run {self.run.id} of project {self.run.project}, " + (
+            f"offline in {self.run.dir}" if self.run.offline else self.run.url
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -127,7 +139,7 @@ class Wandb(Tracker):
             self.run.log_artifact(artifact)
         if status == "preempted":
             self.run.mark_preempting()
-        self.run.finish(exit_code=1 if status == "failed" else 0)
+        self.run.finish(exit_code={"finished": 0, "preempted": PREEMPTED_EXIT_CODE}.get(status, 1))
 
 
 class Mlflow(Tracker):
@@ -153,6 +165,7 @@ class Mlflow(Tracker):
             created = self.client.create_run(experiment_id, run_name=start["name"], tags={ID_TAG: start["id"]})
             self.run_id = created.info.run_id
         self.log_params(flat(run_params(start)), found[0].data.params if found else {})
+        self.note = f"run {self.run_id} of experiment {name} at {self.client.tracking_uri}"
 
     def log_params(self, params: dict[str, str], logged: dict[str, str]) -> None:
         """New params; MLflow refuses to change one, so a resume's changed settings become a tag."""
@@ -181,23 +194,24 @@ class Mlflow(Tracker):
 TRACKERS = {tracker.NAME: tracker for tracker in (Wandb, Mlflow)}
 
 
-def serve(tracker_class, answers) -> int:
+def serve(tracker_class, answers, timeout: float) -> int:
     """Answer rank 0's messages until its finish, or until rank 0 is gone."""
-    tracker, timeout = None, 60.0
+    tracker = None
     for line in sys.stdin:
         message = json.loads(line)
         try:
             if message["op"] == "start":
-                timeout = message["timeout"]
                 tracker = tracker_class(message)
             elif message["op"] == "log":
                 tracker.log(message["record"])
             else:
                 tracker.finish(message["status"], message["checkpoint"])
         except Exception as error:  # reported to rank 0, which drops this tracker
-            answers.write(json.dumps({"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]}) + "\n")
+            answer(answers, {"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]})
             return 1
-        answers.write(json.dumps({"ok": True}) + "\n")
+        note = tracker.note if message["op"] == "start" else ""
+        if not answer(answers, {"ok": True} | ({"note": note} if note else {})):
+            break  # rank 0 is gone
         if message["op"] == "finish":
             return 0
     if tracker is not None:  # rank 0 ended without finishing: killed, or its node lost
@@ -206,13 +220,31 @@ def serve(tracker_class, answers) -> int:
     return 0
 
 
+def answer(answers, message: dict) -> bool:
+    """Write one answer to rank 0; False when rank 0 is gone."""
+    try:
+        answers.write(json.dumps(message) + "\n")
+        return True
+    except OSError:
+        return False
+
+
+def end_when_orphaned(timeout: float) -> None:
+    """If rank 0 dies while a call hangs, nothing reads stdin again: end within `timeout` of it."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    signal.alarm(max(1, math.ceil(timeout)))
+
+
 def main(argv=None) -> int:
-    (name,) = sys.argv[1:] if argv is None else argv
+    name, timeout = sys.argv[1:] if argv is None else argv
     for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(stop, signal.SIG_IGN)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the libraries' prints go to stderr, not into the answers
-    return serve(TRACKERS[name], answers)
+    threading.Thread(target=end_when_orphaned, args=(float(timeout),), daemon=True).start()
+    return serve(TRACKERS[name], answers, float(timeout))
 
 
 if __name__ == "__main__":

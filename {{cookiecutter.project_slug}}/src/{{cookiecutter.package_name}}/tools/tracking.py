@@ -9,14 +9,16 @@ Each tracker runs in a child process of rank 0 (tools/tracker_worker.py) that is
 records of metrics.jsonl over a pipe, so a slow or unreachable service never holds up a step.
 Every call must be answered within run.tracker_timeout_s: a tracker that fails or goes quiet
 gets one warning and is dropped for the rest of the run. Training, checkpoints and the exit
-status never depend on a tracker. On a stop signal the loop writes its checkpoint first and
-finishes the trackers after, within the same limit.
+status never depend on a tracker. The run's end is sent when its log closes (after the stop
+checkpoint, on a stop signal), and rank 0 waits for the trackers only after leaving the process
+group, at most run.tracker_timeout_s for all of them, so no other rank waits at a barrier.
 
 One tracked run per training run: rank 0 draws an id on the run's first start and keeps it in
-out_dir/name/tracking/run.json and in every checkpoint. Every later start of that run (a resume,
-a requeue, a torchrun restart) continues the same W&B run or MLflow run. A resumed attempt
-replays the steps after its checkpoint; each tracker is sent only the steps after the last one
-it took (kept in tracking/<tracker>.json), so no step appears twice.
+out_dir/name/tracking/run.json and in every checkpoint. Every start that resumes from one of the
+run's checkpoints (a resume, a requeue, a torchrun restart) continues the same W&B or MLflow
+run; a fresh start draws a new id. A resumed attempt replays the steps after its checkpoint:
+each tracker is sent only the steps after the last one it took (tracking/<tracker>-<id>.json),
+so no step appears twice, and at start the records up to the checkpoint that it never took.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import platform
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .. import config
+from .. import config, records
 from ..dist import DistInfo
 from ..rules import ConfigError
 
@@ -68,16 +71,51 @@ def tracking_dir(run_dir: Path) -> Path:
 
 
 def tracked_run_id(run_dir: Path, resumed: Path | None, saved: str | None) -> str:
-    """The run's tracked-run id: tracking/run.json's, else the one the resumed checkpoint carries
-    when it is one of this run's, else a new one; kept in tracking/run.json."""
+    """The tracked-run id of this start: a resume from one of this run's own checkpoints continues
+    the id it carries (or tracking/run.json's, for checkpoints written before a tracker was
+    named); a fresh start, or one from another run's checkpoint, draws a new one. Kept in
+    tracking/run.json."""
     path = tracking_dir(run_dir) / "run.json"
-    if path.exists():
-        return json.loads(path.read_text())["id"]
-    own_checkpoint = resumed is not None and Path(resumed).resolve().parent.parent == Path(run_dir).resolve()
-    run_id = saved if own_checkpoint and saved else uuid.uuid4().hex[:16]
+    own = resumed is not None and Path(resumed).resolve().parent.parent == Path(run_dir).resolve()
+    run_id = (saved or (json.loads(path.read_text())["id"] if path.exists() else None)) if own else None
+    run_id = run_id or uuid.uuid4().hex[:16]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"id": run_id}) + "\n")
     return run_id
+
+
+def missed(run_dir: Path, name: str, run_id: str, first_step: int) -> list[dict]:
+    """The train and eval records up to `first_step` that tracker `name` never took (an earlier
+    attempt ended before sending them, or the tracker was named only now), from metrics.jsonl."""
+    path, taken_path = Path(run_dir) / "metrics.jsonl", taken_file(run_dir, name, run_id)
+    if not path.exists():
+        return []
+    taken = json.loads(taken_path.read_text()) if taken_path.exists() else {}
+    timeline = records.current_timeline(records.read(path))
+    return [
+        record
+        for record in timeline
+        if records.kind_of(record) in (records.TRAIN, records.EVAL)
+        and taken.get(records.kind_of(record), -1) < record["step"] <= first_step
+    ]
+
+
+def taken_file(run_dir: Path, name: str, run_id: str) -> Path:
+    """Where tracker `name`'s process keeps the last step of each kind it took for run `run_id`."""
+    return tracking_dir(run_dir) / f"{name}-{run_id}.json"
+
+
+def without_credentials(text: str) -> str:
+    """URLs in `text` without their user:password@ part."""
+    return re.sub(r"(\w+://)[^/@\s]+@", r"\1", text)
+
+
+def destination(name: str) -> str:
+    """Where a tracker sends its runs, as its environment says, for messages."""
+    if name == "mlflow":
+        return f"MLflow at {os.environ.get('MLFLOW_TRACKING_URI', 'its default store (./mlflow.db)')}"
+    mode = os.environ.get("WANDB_MODE", "online")
+    return f"W&B {mode}" + (f" at {os.environ['WANDB_BASE_URL']}" if "WANDB_BASE_URL" in os.environ else "")
 
 
 def project_root() -> Path:
@@ -105,13 +143,13 @@ def worker_env() -> dict:
 
 class TrackerProcess:
     """One tracker's child process. `call` queues a message and returns at once; the child
-    answers each message in order, and a message unanswered after `timeout` seconds, an error,
-    or the child's exit drops the tracker with one warning."""
+    answers each message in order. A message unanswered after `timeout` seconds, an error, or
+    the child's exit drops the tracker with one warning."""
 
     def __init__(self, name: str, timeout: float):
         self.name, self.timeout = name, timeout
         self.process = subprocess.Popen(
-            [sys.executable, "-m", WORKER, name],
+            [sys.executable, "-m", WORKER, name, str(timeout)],
             env=worker_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -136,34 +174,47 @@ class TrackerProcess:
 
     def finish(self, status: str, checkpoint: str | None) -> None:
         """Ask the child to end the tracked run and exit; `wait` waits for both."""
-        self.call("finish", "finish", status=status, timeout=self.timeout, checkpoint=checkpoint)
-        if not self.dropped:
-            self.unanswered.append(EXIT)  # answered by the end of its output
-            self.outbox.put(None)  # then close its input
+        if self.dropped or self._check():
+            return
+        if not self.unanswered:
+            self.since = time.monotonic()
+        self.unanswered.extend(["finish", EXIT])  # the exit is answered by the end of its output
+        self.outbox.put(json.dumps({"op": "finish", "status": status, "checkpoint": checkpoint}))
+        self.outbox.put(None)  # then close its input
 
-    def wait(self) -> None:
-        """Until the child has answered everything and exited, or it fails or overruns its limit."""
+    def wait(self, deadline: float) -> None:
+        """Until the child has answered everything and exited, or it fails, overruns a call's
+        limit or reaches `deadline` (time.monotonic())."""
         while not self.dropped and not self._check() and self.unanswered:
+            if time.monotonic() > deadline:
+                self._drop(f"no answer to {self.unanswered[0]} before the trackers' end of run.tracker_timeout_s")
+                return
             time.sleep(0.02)
         if not self.dropped:
             try:
-                self.process.wait(timeout=self.timeout)
+                self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._kill()
+                self._drop("its process did not exit after finishing")
 
     def _check(self) -> bool:
         """Drop the tracker if it failed or overran; True when it is dropped."""
-        problem = self.failure
-        if problem is None and self.unanswered and time.monotonic() - self.since > self.timeout:
-            problem = f"no answer to {self.unanswered[0]} within run.tracker_timeout_s={self.timeout:g} s"
-        if problem is not None and not self.dropped:
+        if self.failure is not None:
+            self._drop(self.failure)
+        elif self.unanswered and time.monotonic() - self.since > self.timeout:
+            self._drop(
+                f"no answer to {self.unanswered[0]} within run.tracker_timeout_s={self.timeout:g} s "
+                f"({destination(self.name)})"
+            )
+        return self.dropped
+
+    def _drop(self, problem: str) -> None:
+        if not self.dropped:
             self.dropped = True
             sys.stderr.write(
-                f"warning: tracker {self.name} dropped: {problem}; training goes on without it "
+                f"warning: tracker {self.name} dropped: {without_credentials(problem)}; training goes on without it "
                 "(metrics.jsonl keeps every record)\n"
             )
             self._kill()
-        return self.dropped
 
     def _kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # its session: W&B's service process too
@@ -177,58 +228,84 @@ class TrackerProcess:
                 self.process.stdin.flush()
             except OSError:  # the child is gone; _receive says why
                 return
-        self.process.stdin.close()
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
 
     def _receive(self) -> None:
         for line in self.process.stdout:
-            answer = json.loads(line)
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                answer = {"error": f"an unreadable answer {line.strip()[:200]!r}"}
             if "error" in answer:
                 self.failure = answer["error"]
                 return
+            if "note" in answer:
+                sys.stderr.write(f"tracker {self.name}: {without_credentials(answer['note'])}\n")
             self.unanswered.popleft()
             self.since = time.monotonic()
         if self.unanswered and self.unanswered[0] == EXIT:
             self.unanswered.popleft()
-        elif self.unanswered:
-            self.failure = f"its process ended (exit code {self.process.wait()}) before answering {self.unanswered[0]}"
+        else:
+            waiting = self.unanswered[0] if self.unanswered else "its next message"
+            self.failure = f"its process ended (exit code {self.process.wait()}) before answering {waiting}"
 
 
 class Trackers:
-    """Rank 0's trackers: `write` sends a metrics.jsonl record to each, `close` ends their runs."""
+    """Rank 0's trackers for one training run: made empty, started by `start` (on rank 0, for
+    run.trackers), sent every metrics.jsonl record by `write`, told the run's end by `end` and
+    waited for by `wait`, which train.main calls after leaving the process group, so that no rank
+    waits for them at a barrier."""
 
-    def __init__(self, names: list[str], start: dict, timeout: float, upload_checkpoint: bool):
-        self.upload_checkpoint = upload_checkpoint
-        self.processes = [TrackerProcess(name, timeout) for name in names]
-        for process in self.processes:
+    def __init__(self):
+        self.processes: list[TrackerProcess] = []
+        self.timeout, self.upload_checkpoint, self.ended = 0.0, False, False
+
+    def start(self, cfg, info: DistInfo, resumed: Path | None, state) -> str | None:
+        """Start the trackers for a run at `state` (a TrainState, resumed or fresh) and send each
+        the records it missed; returns the tracked-run id (elsewhere than rank 0, or with no
+        trackers: the id the resumed checkpoint carried)."""
+        if not info.is_main or not cfg.run.trackers:
+            return state.tracked_run_id
+        run_id = tracked_run_id(cfg.run_dir, resumed, state.tracked_run_id)
+        self.timeout, self.upload_checkpoint = cfg.run.tracker_timeout_s, cfg.run.tracker_checkpoint
+        start = {
+            "id": run_id,
+            "name": cfg.run.name,
+            "project": cfg.run.tracker_project or PROJECT,
+            "run_dir": str(cfg.run_dir.resolve()),
+            "root": str(project_root()),
+            "timeout": self.timeout,
+            "config": config.to_dict(cfg),
+            "facts": run_facts(info),
+        }
+        for name in cfg.run.trackers:
+            process = TrackerProcess(name, self.timeout)
             process.call("start", "start", **start)
+            for record in missed(cfg.run_dir, name, run_id, state.step):
+                process.call("log", f"the missed {record['kind']} record of step {record['step']}", record=record)
+            self.processes.append(process)
+        return run_id
 
     def write(self, record: dict) -> None:
         for process in self.processes:
             process.call("log", f"the {record['kind']} record of step {record['step']}", record=record)
 
-    def close(self, status: str, checkpoint: Path | None = None) -> None:
-        """Finish every tracked run ("finished", "preempted" or "failed"), all at once."""
+    def end(self, status: str, checkpoint: Path | None = None) -> None:
+        """Tell every tracker the run ended ("finished", "preempted" or "failed"); returns at once."""
+        if self.ended:
+            return
+        self.ended = True
         upload = str(checkpoint) if checkpoint is not None and self.upload_checkpoint else None
         for process in self.processes:
             process.finish(status, upload)
-        for process in self.processes:
-            process.wait()
 
-
-def open_trackers(cfg, info: DistInfo, resumed: Path | None, saved_id: str | None):
-    """Rank 0's trackers for run.trackers and the tracked-run id; elsewhere, or with no trackers,
-    None and the id the resumed checkpoint carried."""
-    if not info.is_main or not cfg.run.trackers:
-        return None, saved_id
-    run_id = tracked_run_id(cfg.run_dir, resumed, saved_id)
-    start = {
-        "id": run_id,
-        "name": cfg.run.name,
-        "project": cfg.run.tracker_project or PROJECT,
-        "run_dir": str(cfg.run_dir.resolve()),
-        "root": str(project_root()),
-        "timeout": cfg.run.tracker_timeout_s,
-        "config": config.to_dict(cfg),
-        "facts": run_facts(info),
-    }
-    return Trackers(cfg.run.trackers, start, cfg.run.tracker_timeout_s, cfg.run.tracker_checkpoint), run_id
+    def wait(self) -> None:
+        """Until every tracker has finished, within run.tracker_timeout_s for all of them together."""
+        self.end("failed")  # a no-op after the log's own end; else the run stopped before its log did
+        busy = [process for process in self.processes if not process.dropped and process.unanswered]
+        if busy:
+            print(f"finishing the trackers (at most {self.timeout:g} s)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self.timeout
+        for process in busy:
+            process.wait(deadline)
