@@ -1,6 +1,6 @@
 # Shared by the launch scripts. Sourced, not run. Every setting can be overridden from the
 # environment; the per-node logic (process count, threads, stopping, exit status) lives in
-# src/{{ cookiecutter.package_name }}/launch.py, where it is tested.
+# src/{{ cookiecutter.package_name }}/tools/launch.py, where it is tested.
 
 # No cd: a relative --config or run.out_dir means what it says where the command was typed.
 PROJECT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -39,7 +39,7 @@ needs_wandb = pytest.mark.skipif(
 
 
 def test_unknown_or_missing_trackers_are_config_errors_that_name_the_fix(monkeypatch):
-    with pytest.raises(ConfigError, match=r"run.trackers: \['neptune'\] is invalid; use \[wandb\]"):
+    with pytest.raises(ConfigError, match=r"run.trackers: \['neptune'\] is invalid; name wandb, mlflow once each"):
         config.load(SMOKE_CONFIG, ["run.trackers=[neptune]"])
     with pytest.raises(ConfigError, match="is invalid"):
         config.load(SMOKE_CONFIG, ["run.trackers=[mlflow, mlflow]"])
@@ -227,7 +227,7 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
     client = MlflowClient(store)
 
     def preempted_in_mlflow():
-        (run,) = client.search_runs([client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id])
+        (run,) = client.search_runs([client.get_experiment_by_name(tracking.PROJECT).experiment_id])
         assert run.info.status == "KILLED"
 
     stop, last = stopped_and_resumed(tmp_path, ["mlflow", "wandb"], preempted_in_mlflow, **environment)
@@ -237,13 +237,13 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
     saved = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / f"step_{last:08d}.pt")
     assert saved["tracked_run_id"] == tracked
 
-    (run,) = client.search_runs([client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id])
+    (run,) = client.search_runs([client.get_experiment_by_name(tracking.PROJECT).experiment_id])
     assert [metric.step for metric in client.get_metric_history(run.info.run_id, "train/loss")] == every_step
     assert run.info.status == "FINISHED" and run.info.run_name == "smoke" and run.data.tags["tracked_run_id"] == tracked
     params = run.data.params
     assert params["config.run.trackers"] == '["mlflow", "wandb"]'
     assert params["config.train.lr"] == json.dumps(saved["config"]["train"]["lr"])
-    assert params["world_size"] == "2" and params["project.project_slug"] == "{{ cookiecutter.project_slug }}"
+    assert params["world_size"] == "2" and params["project.project_slug"] == tracking.PROJECT
     assert params["config.train.max_steps"] == "null"  # the first start's value is kept, the change is a tag
     assert any(tag.startswith("changed_on_resume") for tag in run.data.tags)
 
@@ -323,7 +323,7 @@ def test_when_rank_0_is_killed_its_tracker_marks_the_run_failed_and_exits(tmp_pa
     finally:
         job.kill()
     client = MlflowClient(store)
-    experiment = client.get_experiment_by_name("{{ cookiecutter.project_slug }}").experiment_id
+    experiment = client.get_experiment_by_name(tracking.PROJECT).experiment_id
     wait_for(lambda: client.search_runs([experiment])[0].info.status == "FAILED", timeout=30)
     wait_for(lambda: not running(tracker), timeout=30)  # not left behind: orphaned, it ends itself
 

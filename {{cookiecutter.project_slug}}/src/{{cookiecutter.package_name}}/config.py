@@ -56,10 +56,13 @@ Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
 ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
 Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
 Switch = bool | Literal["auto"]
-Trackers = Annotated[
-    list,
-    Rule(lambda v: all(t in ("wandb", "mlflow") for t in v) and len(set(v)) == len(v), "use [wandb], [mlflow] or []"),
-]
+
+
+def known_trackers_once(names: list) -> bool:
+    return all(name in ("wandb", "mlflow") for name in names) and len(set(names)) == len(names)
+
+
+Trackers = Annotated[list, Rule(known_trackers_once, "name wandb, mlflow once each, e.g. [wandb, mlflow]")]
 PeakTflops = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or v > 0, "use auto or a positive number")]
 StepWindow = Annotated[
     list | None,
