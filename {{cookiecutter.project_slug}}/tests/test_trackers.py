@@ -18,6 +18,7 @@ import socket
 import struct
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -134,7 +135,8 @@ def launch(tmp_path: Path, *overrides: str, nproc: int = 2, **env: str) -> subpr
 def stopped_and_resumed(tmp_path: Path, trackers: list[str], when_stopped, **env: str) -> tuple[int, int]:
     """Train, stop with SIGTERM once every tracker took a few records (exit 75), call
     `when_stopped()`, then continue from a checkpoint older than the stop's, so the steps in
-    between are replayed, to the end. Returns (the stop's step, the last step)."""
+    between are replayed, to the end, uploading the final checkpoint. Returns (the stop's step,
+    the last step)."""
     named = f"run.trackers=[{', '.join(trackers)}]"
     job = launch(tmp_path, "train.epochs=200", "checkpoint.every_steps=10", named, **env)
     try:
@@ -148,7 +150,8 @@ def stopped_and_resumed(tmp_path: Path, trackers: list[str], when_stopped, **env
     stop = int((tmp_path / "smoke" / "checkpoints" / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
     older = tmp_path / "smoke" / "checkpoints" / f"step_{(stop - 1) // 10 * 10:08d}.pt"
     last = stop + 15
-    rerun = launch(tmp_path, "train.epochs=200", f"train.max_steps={last}", f"checkpoint.resume={older}", named, **env)
+    resumed = [f"train.max_steps={last}", f"checkpoint.resume={older}", "run.tracker_checkpoint=true", named]
+    rerun = launch(tmp_path, "train.epochs=200", *resumed, **env)
     ((code, stdout, stderr),) = finish([rerun], timeout=120)
     assert code == 0 and f"done: {last} steps" in stdout, stderr[-3000:]
     assert "warning:" not in stderr, stderr
@@ -194,25 +197,37 @@ def wandb_items(items) -> dict:
     return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
 
 
-def wandb_history(run_dir: Path) -> list[tuple[str, dict, list[int], int]]:
-    """Each offline run directory's (run id, config, steps of its history rows carrying
-    train/loss, exit code)."""
+@dataclass
+class WandbFragment:
+    """What one start of a run wrote in W&B's offline mode."""
+
+    run_id: str = ""
+    settings: dict = field(default_factory=dict)  # the run's config
+    steps: list[int] = field(default_factory=list)  # of the history rows carrying train/loss
+    exit_code: int | None = None
+    artifacts: int = 0
+
+
+def wandb_history(run_dir: Path) -> list[WandbFragment]:
+    """Each offline run directory's fragment, oldest first."""
     found = []
     for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        run_id, settings, steps, exit_code = None, {}, [], None
+        fragment = WandbFragment()
         for record in wandb_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                run_id = record.run.run_id
-                settings |= wandb_items(record.run.config.update)
-            if kind == "config":
-                settings |= wandb_items(record.config.update)
-            if kind == "history":
+                fragment.run_id = record.run.run_id
+                fragment.settings |= wandb_items(record.run.config.update)
+            elif kind == "config":
+                fragment.settings |= wandb_items(record.config.update)
+            elif kind == "history":
                 row = wandb_items(record.history.item)
-                steps += [row["step"]] if "train/loss" in row else []
-            if kind == "exit":
-                exit_code = record.exit.exit_code
-        found.append((run_id, settings, steps, exit_code))
+                fragment.steps += [row["step"]] if "train/loss" in row else []
+            elif kind == "exit":
+                fragment.exit_code = record.exit.exit_code
+            elif kind == "artifact":
+                fragment.artifacts += 1
+        found.append(fragment)
     return found
 
 
@@ -246,12 +261,16 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
     assert params["world_size"] == "2" and params["project.project_slug"] == tracking.PROJECT
     assert params["config.train.max_steps"] == "null"  # the first start's value is kept, the change is a tag
     assert any(tag.startswith("changed_on_resume") for tag in run.data.tags)
+    uploaded = [item.path for item in client.list_artifacts(run.info.run_id, "checkpoints")]
+    assert uploaded == [f"checkpoints/step_{last:08d}.pt"]
 
     fragments = wandb_history(tmp_path / "smoke")  # offline: one directory per start, `wandb sync` both
-    assert [run_id for run_id, *_ in fragments] == [tracked, tracked]
-    assert [step for _, _, steps, _ in fragments for step in steps] == every_step
-    assert fragments[0][1]["config"]["run"]["trackers"] == ["mlflow", "wandb"] and fragments[0][1]["world_size"] == 2
-    assert [exit_code for *_, exit_code in fragments] == [preemption.PREEMPTED_EXIT_CODE, 0]  # preempted, finished
+    assert [fragment.run_id for fragment in fragments] == [tracked, tracked]
+    assert [step for fragment in fragments for step in fragment.steps] == every_step
+    settings = fragments[0].settings
+    assert settings["config"]["run"]["trackers"] == ["mlflow", "wandb"] and settings["world_size"] == 2
+    assert [fragment.exit_code for fragment in fragments] == [preemption.PREEMPTED_EXIT_CODE, 0]  # preempted, finished
+    assert [fragment.artifacts for fragment in fragments] == [0, 1]  # the final checkpoint
 
 
 @needs_mlflow

@@ -282,7 +282,7 @@ class Trackers:
         for name in cfg.run.trackers:
             process = TrackerProcess(name, self.timeout)
             process.call("start", "start", **start)
-            for record in missed(cfg.run_dir, name, run_id, state.step):
+            for record in missed(cfg.run_dir, name, run_id, state.step) if state.step else []:  # fresh: none
                 process.call("log", f"the missed {record['kind']} record of step {record['step']}", record=record)
             self.processes.append(process)
         return run_id
