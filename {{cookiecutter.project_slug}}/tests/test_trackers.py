@@ -91,6 +91,32 @@ def test_records_become_tracker_metrics_and_settings_flat_params():
     assert params == {"config.train.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
 
 
+class Recording(tracker_worker.Tracker):
+    """A tracker that keeps what it is sent, in order."""
+
+    NAME = "recording"
+
+    def __init__(self, start: dict):
+        super().__init__(start)
+        self.sent = []
+
+    def metrics(self, rows):
+        self.sent += [("metrics", [step for step, _ in rows])] if rows else []
+
+    def summary(self, values, step):
+        self.sent.append(("summary", step))
+
+
+def test_a_batch_of_records_goes_out_in_order_in_one_call_without_the_steps_already_taken(tmp_path):
+    tracker = Recording({"run_dir": str(tmp_path), "id": "x"})
+    tracker.log([{"kind": "train", "step": 5, "loss": 1.0}])
+    replayed_and_new = [{"kind": "train", "step": step, "loss": 1.0} for step in (5, 10, 15)]
+    end = [{"kind": "eval", "step": 15, "eval_loss": 1.0}, {"kind": "summary", "step": 15, "summary": {"steps": 15}}]
+    tracker.log(replayed_and_new + end)
+    assert tracker.sent == [("metrics", [5]), ("metrics", [10, 15, 15]), ("summary", 15)]
+    assert json.loads((tmp_path / "tracking" / "recording-x.json").read_text()) == {"train": 15, "eval": 15}
+
+
 def test_a_tracker_that_stops_answering_is_dropped_with_one_warning_and_never_waited_on(tmp_path, capsys):
     """A hang of the tracker itself, not a patched library: its process is stopped (SIGSTOP)
     before it reads its first message, so it never imports or calls anything."""

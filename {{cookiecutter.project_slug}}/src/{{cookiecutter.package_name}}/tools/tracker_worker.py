@@ -17,6 +17,7 @@ import fcntl
 import json
 import math
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -28,6 +29,7 @@ from pathlib import Path
 ID_TAG = "tracked_run_id"  # MLflow: the tag that finds a training run's MLflow run again
 SKIPPED = {"kind", "step", "start_step", "world_size"}  # record fields that are not metrics
 MLFLOW_STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
+CLOSED = None  # what the reader thread queues when rank 0's pipe closes
 PREEMPTED_EXIT_CODE = 75  # W&B shows a run marked preempting that ends non-zero as preempted
 
 
@@ -86,15 +88,20 @@ class Tracker:
         self.taken = json.loads(self.taken_path.read_text()) if self.taken_path.exists() else {}
         self.note = ""  # where the run is tracked, for rank 0's console
 
-    def log(self, record: dict) -> None:
-        kind, step = record["kind"], record["step"]
-        if kind == "summary":
-            self.summary(record["summary"], step)
-            return
-        if step <= self.taken.get(kind, -1):  # an earlier attempt sent it: a replay after resuming
-            return
-        self.metrics(step, metrics_of(record))
-        self.taken[kind] = step
+    def log(self, logged: list[dict]) -> None:
+        """Send records in order, in as few calls as the tracker allows; skip the steps an
+        earlier attempt sent (a replay after resuming)."""
+        rows: list[tuple[int, dict[str, float]]] = []
+        for record in logged:
+            kind, step = record["kind"], record["step"]
+            if kind == "summary":
+                self.metrics(rows)
+                rows = []
+                self.summary(record["summary"], step)
+            elif step > self.taken.get(kind, -1):
+                rows.append((step, metrics_of(record)))
+                self.taken[kind] = step
+        self.metrics(rows)
         partial = self.taken_path.with_suffix(".tmp")
         partial.write_text(json.dumps(self.taken))
         os.replace(partial, self.taken_path)
@@ -126,8 +133,9 @@ class Wandb(Tracker):
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({"step": step, **values})
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            self.run.log({"step": step, **values})
 
     def summary(self, values: dict, step: int) -> None:
         self.run.summary.update(values)
@@ -176,14 +184,20 @@ class Mlflow(Tracker):
         if changed:
             self.client.set_tag(self.run_id, f"changed_on_resume_{int(time.time())}", "; ".join(changed)[:5000])
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         now = int(time.time() * 1000)
-        batch = [self.Metric(key, value, now, step) for key, value in values.items() if math.isfinite(value)]
-        self.client.log_batch(self.run_id, metrics=batch)
+        batch = [
+            self.Metric(key, value, now, step)
+            for step, values in rows
+            for key, value in values.items()
+            if math.isfinite(value)
+        ]
+        for first in range(0, len(batch), 1000):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, metrics=batch[first : first + 1000])
 
     def summary(self, values: dict, step: int) -> None:
         numbers = {f"summary/{key}": value for key, value in values.items() if isinstance(value, (int, float))}
-        self.metrics(step, numbers)
+        self.metrics([(step, numbers)])
 
     def finish(self, status: str, checkpoint: str | None) -> None:
         if checkpoint is not None:
@@ -195,22 +209,29 @@ TRACKERS = {tracker.NAME: tracker for tracker in (Wandb, Mlflow)}
 
 
 def serve(tracker_class, answers, timeout: float) -> int:
-    """Answer rank 0's messages until its finish, or until rank 0 is gone."""
-    tracker = None
-    for line in sys.stdin:
-        message = json.loads(line)
+    """Answer rank 0's messages until its finish, or until rank 0 is gone. Records that queued
+    up while the tracker was busy go out in one call, so a slow store keeps up with the log."""
+    inbox, waiting, tracker = incoming(sys.stdin), [], None
+    while (message := waiting.pop() if waiting else inbox.get()) is not CLOSED:
+        batch = [message]
+        while message["op"] == "log" and not waiting:
+            try:
+                following = inbox.get_nowait()
+            except queue.Empty:
+                break
+            (batch if following is not CLOSED and following["op"] == "log" else waiting).append(following)
         try:
             if message["op"] == "start":
                 tracker = tracker_class(message)
             elif message["op"] == "log":
-                tracker.log(message["record"])
+                tracker.log([queued["record"] for queued in batch])
             else:
                 tracker.finish(message["status"], message["checkpoint"])
         except Exception as error:  # reported to rank 0, which drops this tracker
             answer(answers, {"error": f"{type(error).__name__}: {error}".splitlines()[0][:500]})
             return 1
         note = tracker.note if message["op"] == "start" else ""
-        if not answer(answers, {"ok": True} | ({"note": note} if note else {})):
+        if not all(answer(answers, {"ok": True} | ({"note": note} if note else {})) for _ in batch):
             break  # rank 0 is gone
         if message["op"] == "finish":
             return 0
@@ -218,6 +239,19 @@ def serve(tracker_class, answers, timeout: float) -> int:
         signal.alarm(max(1, math.ceil(timeout)))  # the default action ends this process
         tracker.finish("failed", None)
     return 0
+
+
+def incoming(stream) -> queue.SimpleQueue:
+    """Rank 0's messages, parsed by a thread as they arrive; CLOSED when its pipe closes."""
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        for line in stream:
+            inbox.put(json.loads(line))
+        inbox.put(CLOSED)
+
+    threading.Thread(target=read, daemon=True).start()
+    return inbox
 
 
 def answer(answers, message: dict) -> bool:
