@@ -210,8 +210,9 @@ class TrackerProcess:
     def _drop(self, problem: str) -> None:
         if not self.dropped:
             self.dropped = True
+            cause = without_credentials(problem).rstrip(".")
             sys.stderr.write(
-                f"warning: tracker {self.name} dropped: {without_credentials(problem)}; training goes on without it "
+                f"warning: tracker {self.name} dropped: {cause}; training goes on without it "
                 "(metrics.jsonl keeps every record)\n"
             )
             self._kill()
