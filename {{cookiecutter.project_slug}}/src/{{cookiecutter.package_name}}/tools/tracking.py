@@ -165,22 +165,22 @@ class TrackerProcess:
         threading.Thread(target=self._receive, daemon=True).start()
 
     def call(self, op: str, what: str, **message) -> None:
-        if self.dropped or self._check():
-            return
-        if not self.unanswered:
-            self.since = time.monotonic()
-        self.unanswered.append(what)
-        self.outbox.put(json.dumps({"op": op, **message}))
+        self._send_later({"op": op, **message}, what)
 
     def finish(self, status: str, checkpoint: str | None) -> None:
         """Ask the child to end the tracked run and exit; `wait` waits for both."""
+        # the exit is answered by the end of its output; then its input closes
+        self._send_later({"op": "finish", "status": status, "checkpoint": checkpoint}, "finish", EXIT, then_close=True)
+
+    def _send_later(self, message: dict, *answers_owed: str, then_close: bool = False) -> None:
         if self.dropped or self._check():
             return
         if not self.unanswered:
             self.since = time.monotonic()
-        self.unanswered.extend(["finish", EXIT])  # the exit is answered by the end of its output
-        self.outbox.put(json.dumps({"op": "finish", "status": status, "checkpoint": checkpoint}))
-        self.outbox.put(None)  # then close its input
+        self.unanswered.extend(answers_owed)
+        self.outbox.put(json.dumps(message))
+        if then_close:
+            self.outbox.put(None)
 
     def wait(self, deadline: float) -> None:
         """Until the child has answered everything and exited, or it fails, overruns a call's
