@@ -77,8 +77,8 @@ MUTANTS = [
         "sampler keeps the tail",
         "P6/P8 drop_last in the sampler",
         LOADERS,
-        "shuffle=True, seed=cfg.run.seed, drop_last=True",
-        "shuffle=True, seed=cfg.run.seed, drop_last=False",
+        "ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)",
+        "ResumableSampler(train_set, shuffle=True, drop_last=False, **ranks)",
     ),
     Mutant(
         "loader keeps the tail",

@@ -2,7 +2,7 @@
 
 The defaults project runs every tier (`pytest --slow`: the maths proofs, fault drills,
 launchers, the swaps), split in four runs (the drills, the exit-status stress drill, the W&B
-and MLflow drills, the rest) that go side by side; one
+and MLflow drills with the packed-shards drills, the rest) that go side by side; one
 project with the other answers (fp16, accumulation, compile, no SLURM, Kubernetes) runs the fast
 tier, which holds what those answers change (the maths proofs, the unit tests, the manifests
 checked offline), and its Kubernetes drills (pods on loopback under each operator's
@@ -25,6 +25,7 @@ from conftest import bake
 DRILLS = ["tests/test_faults.py", "tests/test_launchers.py", "tests/test_multinode.py", "tests/test_sbatch.py"]
 EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to back and side by side
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
+SHARDS = "tests/test_shards.py"  # packed shards: a folder and an S3-compatible server on loopback
 # the task's slow tests that are not the task's own: evaluation counts, resume and smoke.sh,
 # which the defaults project runs for every code path they share
 OWN_TASK_TESTS = ["--task", "-k", "not (eval_counts_each_sample or resume_mid_epoch or smoke_sh_passes)"]
@@ -32,10 +33,10 @@ OWN_TASK_TESTS = ["--task", "-k", "not (eval_counts_each_sample or resume_mid_ep
 OTHER_ANSWERS = {"precision": "fp16", "grad_accum_steps": "4", "compile": True, "slurm": False, "kubernetes": True}
 # name -> (answers, the project's pytest options), the longest run first
 REPRESENTATIVE = {
-    "defaults-rest": ({}, ["--slow", *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS])]),
+    "defaults-rest": ({}, ["--slow", *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS, SHARDS])]),
     "defaults-drills": ({}, ["--slow", *DRILLS]),
     "defaults-exits": ({}, ["--slow", EXITS]),
-    "defaults-trackers": ({}, ["--slow", TRACKERS]),
+    "defaults-trackers-shards": ({}, ["--slow", TRACKERS, SHARDS]),
     "image-classification": ({"task": "image_classification"}, OWN_TASK_TESTS),
     "language-model": ({"task": "language_model"}, OWN_TASK_TESTS),
     "fp16-accum4-compile-k8s": (OTHER_ANSWERS, []),

@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Subset
 
-from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train
+from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, shards, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import checks
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
@@ -46,16 +46,16 @@ TOO_FEW_SAMPLES = (
 EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
 
 
-def rank_shards(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
+def rank_orders(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
     """The sample indices each rank's sampler yields in an epoch."""
-    shards = []
+    orders = []
     for rank in range(world_size):
         sampler = loaders.ResumableSampler(
             train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.run.seed, drop_last=True
         )
         sampler.set_epoch(epoch)
-        shards.append(list(sampler))
-    return shards
+        orders.append(list(sampler))
+    return orders
 
 
 def reference_gradients(model, batches) -> None:
@@ -73,12 +73,12 @@ def step_batches(train_set, collate, world_size: int, step: int, cfg) -> list:
     """The micro-batches of one optimizer step on every rank, rank by rank (a small dataset's
     epoch can end within the proofs' steps)."""
     per_rank, batch = cfg.data.batch_size * cfg.train.grad_accum_steps, cfg.data.batch_size
-    steps_per_epoch = len(rank_shards(train_set, cfg, world_size, 0)[0]) // per_rank
+    steps_per_epoch = len(rank_orders(train_set, cfg, world_size, 0)[0]) // per_rank
     epoch, step = divmod(step, steps_per_epoch)
-    shards = rank_shards(train_set, cfg, world_size, epoch)
+    orders = rank_orders(train_set, cfg, world_size, epoch)
     if hasattr(train_set, "set_epoch"):  # as train.fit does: per-epoch augmentation
         train_set.set_epoch(epoch)
-    step_indices = [shard[step * per_rank : (step + 1) * per_rank] for shard in shards]
+    step_indices = [shard[step * per_rank : (step + 1) * per_rank] for shard in orders]
     chunks = [indices[i : i + batch] for indices in step_indices for i in range(0, per_rank, batch)]
     return [collate([train_set[i] for i in chunk]) for chunk in chunks]
 
@@ -93,7 +93,7 @@ def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
     within four steps.
     """
     model = task.build_model(cfg)
-    train_set, eval_set = task.build_datasets(cfg)
+    train_set, eval_set = shards.datasets(cfg)
     collate = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[0].collate_fn
     worst = 0.0
     for step, (weights, gradients) in enumerate(steps):
@@ -158,7 +158,7 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     cfg = exact_config(out, overrides, "run.name=weighting")
     job = train.build(cfg, info)
     reference = copy.deepcopy(job.state.model)
-    train_set, _ = task.build_datasets(cfg)
+    train_set, _ = shards.datasets(cfg)
     collate = job.train_loader.collate_fn
     sizes = [3 + 5 * rank for rank in range(info.world_size)]  # 3, 8, ... samples per rank
     starts = [sum(sizes[:rank]) for rank in range(info.world_size)]
@@ -189,13 +189,13 @@ def prove_same_initial_weights(overrides: list[str]) -> dict:
 
 @contextmanager
 def datasets_replaced(make):
-    """The task's datasets as `make(train_set, eval_set)` returns them, through the seam."""
-    build_datasets = task.build_datasets
-    task.build_datasets = lambda cfg: make(*build_datasets(cfg))
+    """The run's datasets as `make(train_set, eval_set)` returns them, through the seam (or the shards)."""
+    datasets = shards.datasets
+    shards.datasets = lambda cfg: make(*datasets(cfg))
     try:
         yield
     finally:
-        task.build_datasets = build_datasets
+        shards.datasets = datasets
 
 
 def prove_unequal_lengths_stop_the_build(out: Path, overrides: list[str], info: DistInfo) -> dict:
@@ -269,7 +269,7 @@ def prove_eval_counts(overrides: list[str], info: DistInfo) -> dict:
     cfg = config.load(SMOKE, [*overrides, "data.num_workers=0"])
     dist.seed_everything(cfg.run.seed)
     model = task.build_model(cfg)
-    train_set, eval_set = task.build_datasets(cfg)
+    train_set, eval_set = shards.datasets(cfg)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, 0)
     return train.evaluate(model, eval_loader, cfg, info) | {"dataset_size": len(eval_set)}
 
@@ -311,8 +311,8 @@ def verdicts(results: dict) -> list[checks.Row]:
 def reshuffle_verdict(orders: list[list[list[int]]]) -> checks.Row:
     """Each epoch splits the samples over the ranks, in a new order on every rank."""
     what = "new order every epoch"
-    for epoch, shards in enumerate(zip(*orders, strict=True)):
-        indices = [index for shard in shards for index in shard]
+    for epoch, ranks in enumerate(zip(*orders, strict=True)):
+        indices = [index for shard in ranks for index in shard]
         if len(set(indices)) != len(indices):
             return FAIL, what, f"epoch {epoch}: ranks read the same sample"
     repeats = [rank for rank, epochs in enumerate(orders) if len({tuple(order) for order in epochs}) < len(epochs)]

@@ -223,6 +223,22 @@ def model_mismatch(model: nn.Module, saved: dict) -> str | None:
     return f"parameters and buffers: {found}"
 
 
+def shards_resume_problem(payload: dict, info: DistInfo, config: dict) -> str | None:
+    """Why a run on packed shards cannot resume mid-epoch on another world size, or None.
+
+    Each rank skips the records it has read this epoch; on another world size the ranks' parts of
+    the epoch's order differ, so some records would be read twice and others never.
+    """
+    saved = payload.get("world_size", info.world_size)
+    if not config.get("data", {}).get("shards") or saved == info.world_size or not payload["batch_in_epoch"]:
+        return None
+    return (
+        f"was written by {saved} ranks in the middle of an epoch of data.shards, and this run has "
+        f"{info.world_size}: the epoch's remaining records would not be read exactly once; resume on {saved} "
+        "ranks, or pass checkpoint.resume=never to start afresh"
+    )
+
+
 def changed_settings(saved: dict, current: dict, prefix: str = "") -> list[str]:
     """`section.key old -> new` for each setting of `current` whose value differs from `saved`'s."""
     changes = []
@@ -261,6 +277,9 @@ def resume(state: TrainState, run_dir: Path, setting: str, info: DistInfo, confi
             f"checkpoint.resume: {chosen} holds another model ({mismatch}): the model settings changed since it "
             "was written; pass run.name=<a new name> to start a new run, or checkpoint.resume=never to start afresh"
         )
+    problem = shards_resume_problem(payload, info, config or {})
+    if problem:
+        raise ConfigError(f"checkpoint.resume: {chosen.name} {problem}")
     state.load_state_dict(payload)
     changes = changed_settings(payload.get("config", {}), config or {})
     if changes:

@@ -56,6 +56,10 @@ Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
 ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
 Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
 Switch = bool | Literal["auto"]
+ShardsLocation = Annotated[
+    str | None,
+    Rule(lambda v: v is None or "://" not in v or v.startswith("s3://"), "use null, a folder or an s3:// URL"),
+]
 
 
 def known_trackers_once(names: list) -> bool:
@@ -95,6 +99,9 @@ class DataConfig:
     num_workers: Workers = "auto"  # loader workers per rank; auto: the rank's share of CPUs - 1, capped
     max_workers: PositiveInt = 8  # cap for num_workers=auto
     prefetch_factor: PositiveInt = 2  # batches each worker prepares ahead (only with workers > 0)
+    shards: ShardsLocation = None  # packed shards (the pack command): a folder or s3:// URL; null: build_datasets
+    shards_cache: str | None = None  # local folder caching s3:// shards; null: ~/.cache/<project>/shards
+    shards_cache_gb: PositiveFloat = 50.0  # size the cache stays under (one chunk per loader worker at least)
 
 
 @dataclass

@@ -34,6 +34,30 @@ class ResumableSampler(DistributedSampler):
         return super().__len__() - self.skip
 
 
+class ChunkOrderSampler(ResumableSampler):
+    """ResumableSampler for shards fetched from object storage: each epoch shuffles the order of
+    the chunks and the records within each chunk, then gives each rank a contiguous run of that
+    order, so a rank's loader workers read chunk after chunk (each fetched once an epoch) instead
+    of one record from anywhere. The order depends on the seed and the epoch only, not on the
+    world size; like DistributedSampler(drop_last=True), the last len % world records rest."""
+
+    def __init__(self, dataset: Dataset, chunk_sizes: list[int], **kwargs):
+        super().__init__(dataset, drop_last=True, **kwargs)
+        self.chunk_starts = list(itertools.accumulate(chunk_sizes, initial=0))
+
+    def global_order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = []
+        for chunk in torch.randperm(len(self.chunk_starts) - 1, generator=generator).tolist():
+            start, end = self.chunk_starts[chunk], self.chunk_starts[chunk + 1]
+            order += (start + torch.randperm(end - start, generator=generator)).tolist()
+        return order
+
+    def __iter__(self):
+        first = self.rank * self.num_samples
+        return iter(self.global_order()[first + self.skip : first + self.num_samples])
+
+
 def workers_per_rank(cpus: int, local_world_size: int, cap: int) -> int:
     """Loader workers for one rank: its share of the node's CPUs, minus the main process."""
     return max(0, min(cap, cpus // local_world_size - 1))
@@ -46,11 +70,21 @@ def resolve_workers(cfg: Config, cpus: int, local_world_size: int) -> int:
     return cfg.data.num_workers
 
 
-def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: DistInfo, num_workers: int):
-    """(train loader, eval loader); the train sampler is `train_loader.sampler`."""
-    train_sampler = ResumableSampler(
-        train_set, num_replicas=info.world_size, rank=info.rank, shuffle=True, seed=cfg.run.seed, drop_last=True
-    )
+def build_loaders(
+    train_set: Dataset,
+    eval_set: Dataset,
+    cfg: Config,
+    info: DistInfo,
+    num_workers: int,
+    chunk_sizes: list[int] | None = None,
+):
+    """(train loader, eval loader); the train sampler is `train_loader.sampler`. `chunk_sizes`
+    (records per chunk of shards in object storage) makes the training order go chunk by chunk."""
+    ranks = dict(num_replicas=info.world_size, rank=info.rank, seed=cfg.run.seed)
+    if chunk_sizes is None:
+        train_sampler = ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
+    else:
+        train_sampler = ChunkOrderSampler(train_set, chunk_sizes, **ranks)
     # no shuffle and no drop: evaluation sees every sample; metrics.py masks the padding
     eval_sampler = DistributedSampler(eval_set, num_replicas=info.world_size, rank=info.rank, shuffle=False)
     common = dict(

@@ -15,6 +15,15 @@ they call only these:
     MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
     throughput(cfg, model)    -> what a sample is worth in the log: units (tokens...) and FLOPs, for MFU
 
+and, optionally, for packed shards (`python -m {{ cookiecutter.package_name }}.pack`, then data.shards; see shards.py):
+
+    build_records(cfg)        -> (train, eval) sets of the raw records a pack stores (encoded images, ...);
+                                 without it the pack stores build_datasets' samples as they are
+    from_records(cfg, train, eval) -> (train, eval) datasets of samples over packed record sets
+                                 (decode, augment); without it the records are the samples
+    pack_facts(cfg)           -> {name: value}: what the task reads from its source data and must
+                                 know without it (class names, a vocabulary size), kept in the pack
+
 Why sums and counts: the loop divides the summed loss by the number of terms over every
 rank and micro-batch of the optimizer step, so the gradient is that of one process on the
 union of the batches even when ranks hold different numbers of terms (padding, masks);

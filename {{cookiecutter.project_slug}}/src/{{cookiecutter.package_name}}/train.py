@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, dist, loaders, optim, preemption, task
+from . import checkpoint, config, dist, loaders, optim, preemption, shards, task
 from .checkpoint import TrainState
 from .config import Config
 from .dist import DistInfo
@@ -136,10 +136,11 @@ def build(cfg: Config, info: DistInfo) -> Job:
     dist.seed_everything(cfg.run.seed)  # after init, before the model exists
     # local rank 0 first: a download in the seam (weights, a dataset) happens once a node
     raw_model, (train_set, eval_set) = dist.local_main_first(
-        info, lambda: (task.build_model(cfg), task.build_datasets(cfg))
+        info, lambda: (task.build_model(cfg), shards.datasets(cfg))
     )
     workers = loaders.resolve_workers(cfg, cpus, info.local_world_size)
-    train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
+    chunks = shards.train_chunk_sizes(cfg)
+    train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers, chunks)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
     model, eval_model = wrap(raw_model, cfg, info)
     loaders.check_equal_lengths(len(train_loader), info)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import config, dist, loaders, records, task
+from .. import config, dist, loaders, records, shards, task
 from ..config import Config
 from ..dist import DistInfo, cpus_available
 from . import checks, hardware, launch
@@ -103,7 +103,7 @@ def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
 def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
     """Names of parameters whose .grad is None after one plain (non-DDP) step on a real batch
     of the training loader, with the task's own loss."""
-    train_set, eval_set = task.build_datasets(cfg)
+    train_set, eval_set = shards.datasets(cfg)
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
     train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, num_workers=0)
     model.train()

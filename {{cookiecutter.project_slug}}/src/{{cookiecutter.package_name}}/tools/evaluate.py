@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import checkpoint, config, dist, loaders, metrics, task, train
+from .. import checkpoint, config, dist, loaders, metrics, shards, task, train
 from ..config import Config
 from ..dist import DistInfo
 from ..rules import ConfigError
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
 def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: list[str]) -> int:
     raw_model, (train_set, eval_set) = dist.local_main_first(
-        info, lambda: (task.build_model(cfg), task.build_datasets(cfg))
+        info, lambda: (task.build_model(cfg), shards.datasets(cfg))
     )
     mismatch = checkpoint.model_mismatch(raw_model, payload["model"])
     if mismatch:

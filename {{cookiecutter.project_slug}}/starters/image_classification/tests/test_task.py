@@ -1,6 +1,7 @@
 """The image classifier's task: the sample tree, the ImageFolder checks, seeded augmentation,
 the torchvision model, top-1/top-5, FLOPs; and a real training run."""
 
+import io
 import pickle
 import sys
 import time
@@ -73,6 +74,22 @@ def test_augmentation_depends_on_the_seed_epoch_and_index_only(tree):
     train_set.set_epoch(1)
     assert torch.equal(worker_copy[7][0], first)
     assert not torch.equal(train_set[7][0], first)  # a new epoch, new crops
+
+
+def test_packed_records_turn_into_the_samples_of_the_tree(tree):
+    cfg = small_config(tree)
+    from_records = task.from_records(cfg, *task.build_records(cfg))
+    for records, samples in zip(from_records, task.build_datasets(cfg), strict=True):
+        for i in (0, len(samples) - 1):
+            assert torch.equal(records[i][0], samples[i][0]) and records[i][1] == samples[i][1]
+    assert task.pack_facts(cfg) == {"classes": list(shapes.SHAPES)}
+
+
+def test_pack_max_side_re_encodes_only_images_with_a_longer_shorter_side(tree):
+    path = next((tree / "train" / "star").iterdir())
+    assert data.encoded(str(path), None) == data.encoded(str(path), 40) == path.read_bytes()  # 40 x 40 images
+    smaller = Image.open(io.BytesIO(data.encoded(str(path), 20)))
+    assert smaller.size == (20, 20) and smaller.format == "JPEG"
 
 
 def test_hflip_false_leaves_the_training_images_unmirrored(tree):
@@ -169,6 +186,16 @@ def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
     assert evals[-1]["eval_top1"] >= 0.9 and evals[-1]["eval_samples"] == 305, evals[-1]  # chance is 0.2
     record = next(r for r in read_metrics(tmp_path / "shapes") if "images_per_s" in r)
     assert record["images_per_s"] == pytest.approx(record["samples_per_s"]) and "mfu" not in record
+
+    # packed (encoded JPEG bytes and labels), the same run again: the same crops, the same weights
+    packed = tmp_path / "packed"
+    run([sys.executable, "-m", f"{PACKAGE}.pack", str(packed), "--config", SMOKE_CONFIG, *TINY], timeout=120)
+    torchrun(*train_args(tmp_path, *overrides[1:], "run.name=shapes-shards", f"data.shards={packed}"), timeout=400)
+    tree_top1, shards_top1 = (
+        [r["eval_top1"] for r in read_metrics(tmp_path / run) if "eval_top1" in r]
+        for run in ("shapes", "shapes-shards")
+    )
+    assert shards_top1 == tree_top1
 
 
 @pytest.mark.task

@@ -166,3 +166,16 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     assert printed.stdout.startswith("def ") and len(printed.stdout.encode()) > 80  # a broken byte prints as 3
     model, tokenizer = sample.load(tmp_path / "lm", torch.device("cpu"))
     assert len(sample.generate(model, tokenizer.encode("def "), 80, 0.8, 40)) == 80
+
+    # packed (one token window a record), the same run again: the same losses, without dataset.dir's files
+    packed = tmp_path / "packed"
+    command = [sys.executable, "-m", f"{PACKAGE}.pack", str(packed), "--config", SMOKE_CONFIG, *TINY, overrides[0]]
+    subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, timeout=120, check=True)
+    (tmp_path / "tokens" / "train.bin").unlink()
+    on_shards = [*overrides[1:-1], "run.name=lm-shards", f"data.shards={packed}"]
+    torchrun(*train_args(tmp_path, *on_shards), timeout=300)
+    tokens_loss, shards_loss = (
+        [r["eval_loss"] for r in read_metrics(tmp_path / run) if "eval_loss" in r] for run in ("lm", "lm-shards")
+    )
+    assert shards_loss == tokens_loss
+    assert sample.load(tmp_path / "lm-shards", torch.device("cpu"))[1].decode(tokenizer.encode("def ")) == "def "

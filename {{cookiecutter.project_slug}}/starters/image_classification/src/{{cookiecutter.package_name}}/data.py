@@ -10,6 +10,11 @@ horizontal flip unless `hflip` is false); evaluation resizes the shorter side to
 and takes the centre `image_size` crop. Both normalise with `mean` and `std`. Without
 `dataset.root` the project draws a sample tree of coloured shapes (shapes.py) and trains on that.
 
+Packed (the pack command, then `data.shards`), a record is an image file's bytes and its label,
+re-encoded first with the shorter side at `dataset.pack_max_side` when it is set: the loader
+workers decode and augment records exactly as they do files, so a run on shards equals one on
+the tree it was packed from.
+
 The random augmentation of sample i in epoch e is drawn from a generator seeded by
 (run.seed, e, i), not from the loader workers' streams: a run sees the same crops whatever its
 world size or worker count, and a run resumed mid-epoch the same as an uninterrupted one.
@@ -17,6 +22,8 @@ world size or worker count, and a run resumed mid-epoch the same as an uninterru
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated
 import torch
 from torch.utils.data import Dataset
 
+from . import shards
 from .rules import ConfigError, PositiveInt, Rule
 from .shapes import sample_root
 
@@ -60,6 +68,7 @@ class DatasetConfig:
     hflip: bool = True  # random horizontal flips in training; false for digits, text, or what a mirror changes
     mean: Channels = field(default_factory=lambda: [0.485, 0.456, 0.406])  # per RGB channel; ImageNet's
     std: PositiveChannels = field(default_factory=lambda: [0.229, 0.224, 0.225])  # per RGB channel; ImageNet's
+    pack_max_side: PositiveInt | None = None  # pack: re-encode images with a longer shorter side; null: as they are
 
 
 def image_root(cfg: Config) -> Path:
@@ -114,6 +123,8 @@ def _has_image(folder: Path) -> bool:
 
 
 def class_names(cfg: Config) -> list[str]:
+    if cfg.data.shards is not None:
+        return shards.facts(cfg)["classes"]
     return sorted(entry.name for entry in os.scandir(image_root(cfg) / "train") if entry.is_dir())
 
 
@@ -162,3 +173,60 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     train_transform, eval_transform = transforms(cfg)
     train = SeededAugmentation(ImageFolder(root / "train"), train_transform, cfg.run.seed)
     return train, ImageFolder(root / "val", eval_transform)
+
+
+def encoded(path: str, max_side: int | None) -> bytes:
+    """An image file's bytes as a pack stores them: as they are, or re-encoded (JPEG, quality 90)
+    with the shorter side brought down to `max_side`, which makes decoding cheaper."""
+    data = Path(path).read_bytes()
+    if max_side is None:
+        return data
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        if min(image.size) <= max_side:
+            return data
+        scale = max_side / min(image.size)
+        size = (round(image.width * scale), round(image.height * scale))
+        smaller = image.convert("RGB").resize(size, Image.Resampling.BICUBIC)
+    buffer = io.BytesIO()
+    smaller.save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+class DecodedImages(Dataset):
+    """(image, label) from packed (encoded bytes, label) records, decoded as ImageFolder decodes files."""
+
+    def __init__(self, records: Dataset, transform=None):
+        self.records, self.transform = records, transform
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int):
+        from PIL import Image
+
+        data, label = self.records[index]
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        return (self.transform(image) if self.transform else image), label
+
+
+def build_records(cfg: Config) -> tuple[Dataset, Dataset]:
+    """What the pack command stores: (encoded image, label) for each file of the two splits."""
+    from torchvision.datasets import ImageFolder
+
+    root, load = image_root(cfg), functools.partial(encoded, max_side=cfg.dataset.pack_max_side)
+    return ImageFolder(root / "train", loader=load), ImageFolder(root / "val", loader=load)
+
+
+def from_records(cfg: Config, train: Dataset, evaluation: Dataset) -> tuple[Dataset, Dataset]:
+    """The training and evaluation datasets over packed records, transformed as build_datasets's."""
+    train_transform, eval_transform = transforms(cfg)
+    return SeededAugmentation(DecodedImages(train), train_transform, cfg.run.seed), DecodedImages(
+        evaluation, eval_transform
+    )
+
+
+def pack_facts(cfg: Config) -> dict:
+    """Kept in the pack: a run on shards has no tree to read its classes from."""
+    return {"classes": class_names(cfg)}

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import build_datasets, class_names
+from .data import build_datasets, build_records, class_names, from_records, pack_facts
 from .metrics import Throughput
 from .model import build_model, image_layout, training_flops_per_image
 
@@ -27,10 +27,13 @@ __all__ = [
     "TERMS_PER_SAMPLE",
     "build_datasets",
     "build_model",
+    "build_records",
     "count_terms",
     "eval_sums",
+    "from_records",
     "loss_sum",
     "metrics",
+    "pack_facts",
     "throughput",
     "to_device",
 ]

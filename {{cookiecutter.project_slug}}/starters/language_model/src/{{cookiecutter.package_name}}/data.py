@@ -10,7 +10,9 @@ the network.
 
 Sample i is window i of `model.context + 1` consecutive tokens, as (inputs, targets) with the
 targets shifted by one: a map-style dataset, so DistributedSampler, set_epoch and mid-epoch
-resume work as for any other data.
+resume work as for any other data. Packed (the pack command, then `data.shards`), a record is
+window i itself, in the token files' dtype, with the vocabulary size and the context it was cut
+for kept in the pack.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import shards
 from .rules import ConfigError, Rule
 
 if TYPE_CHECKING:
     from .config import Config
 
 BYTE_VOCABULARY = 256
+BYTES = "bytes"  # the tokenizer of the built-in corpus: one token per byte
 BUILT_IN_PACKAGES = ("json", "http")  # about 260 kB of Python: minutes of CPU training, seconds on a GPU
 SPLITS = {"train": "train.bin", "eval": "val.bin"}
 META = "meta.json"
@@ -78,9 +82,43 @@ class TokenWindows(Dataset):
         return max(0, (len(self.tokens) - 1) // self.context)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs_and_targets(self.window(index))
+
+    def window(self, index: int) -> np.ndarray:
+        """The `context + 1` tokens of sample i, in the token file's dtype."""
         start = index * self.context
-        window = torch.from_numpy(self.tokens[start : start + self.context + 1].astype(np.int64))
-        return window[:-1], window[1:]
+        return np.array(self.tokens[start : start + self.context + 1])
+
+
+def inputs_and_targets(window: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.from_numpy(window.astype(np.int64))
+    return tokens[:-1], tokens[1:]
+
+
+class RawWindows(Dataset):
+    """The windows of a TokenWindows as the pack command stores them."""
+
+    def __init__(self, windows: TokenWindows):
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.windows.window(index)
+
+
+class PackedWindows(Dataset):
+    """(inputs, targets) samples of packed windows."""
+
+    def __init__(self, records: Dataset):
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return inputs_and_targets(self.records[index])
 
 
 def read_meta(directory: str | Path) -> dict:
@@ -95,6 +133,8 @@ def read_meta(directory: str | Path) -> dict:
 
 
 def vocabulary_size(cfg: Config) -> int:
+    if cfg.data.shards is not None:
+        return int(shards.facts(cfg)["vocabulary_size"])
     return BYTE_VOCABULARY if cfg.dataset.dir is None else int(read_meta(cfg.dataset.dir)["vocabulary_size"])
 
 
@@ -115,3 +155,31 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
             )
         sets.append(TokenWindows(tokens, context))
     return sets[0], sets[1]
+
+
+def build_records(cfg: Config) -> tuple[Dataset, Dataset]:
+    """What the pack command stores: each window of `model.context + 1` tokens, in the token files' dtype."""
+    train, evaluation = build_datasets(cfg)
+    return RawWindows(train), RawWindows(evaluation)
+
+
+def from_records(cfg: Config, train: Dataset, evaluation: Dataset) -> tuple[Dataset, Dataset]:
+    """(inputs, targets) samples of packed windows, which must have been cut for this model.context."""
+    packed = shards.facts(cfg)["context"]
+    if packed != cfg.model.context:
+        raise ConfigError(
+            f"model.context: {cfg.data.shards} holds windows for model.context={packed}, not {cfg.model.context}; "
+            f"pass model.context={packed}, or pack again with model.context={cfg.model.context}"
+        )
+    return PackedWindows(train), PackedWindows(evaluation)
+
+
+def tokenizer_name(cfg: Config) -> str:
+    """The tokenizer the windows were cut with, by the name prepare.py records."""
+    if cfg.data.shards is not None:
+        return shards.facts(cfg)["tokenizer"]
+    return BYTES if cfg.dataset.dir is None else read_meta(cfg.dataset.dir)["tokenizer"]
+
+
+def pack_facts(cfg: Config) -> dict:
+    return {"vocabulary_size": vocabulary_size(cfg), "context": cfg.model.context, "tokenizer": tokenizer_name(cfg)}

@@ -23,10 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from .config import exit_on_user_error
-from .data import BYTE_VOCABULARY, META, SPLITS, built_in_corpus
+from .data import BYTE_VOCABULARY, BYTES, META, SPLITS, built_in_corpus
 from .rules import ConfigError
-
-BYTES = "bytes"
 
 
 class ByteTokenizer:

@@ -18,9 +18,9 @@ import torch
 
 from . import checkpoint, config
 from .config import exit_on_user_error
-from .data import read_meta
+from .data import tokenizer_name
 from .model import build_model
-from .prepare import BYTES, load_tokenizer
+from .prepare import load_tokenizer
 from .rules import ConfigError
 
 
@@ -59,7 +59,7 @@ def load(path: Path, device: torch.device):
     cfg = config.from_dict(state["config"])
     model = build_model(cfg)
     model.load_state_dict(state["model"])
-    tokenizer = load_tokenizer(BYTES if cfg.dataset.dir is None else read_meta(cfg.dataset.dir)["tokenizer"])
+    tokenizer = load_tokenizer(tokenizer_name(cfg))
     return model.to(device), tokenizer
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import build_datasets
+from .data import build_datasets, build_records, from_records, pack_facts
 from .loaders import move_to as to_device
 from .metrics import Throughput
 from .model import build_model, training_flops_per_token
@@ -30,10 +30,13 @@ __all__ = [
     "TERMS_PER_SAMPLE",
     "build_datasets",
     "build_model",
+    "build_records",
     "count_terms",
     "eval_sums",
+    "from_records",
     "loss_sum",
     "metrics",
+    "pack_facts",
     "throughput",
     "to_device",
 ]

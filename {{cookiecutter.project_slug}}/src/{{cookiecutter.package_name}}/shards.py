@@ -1,0 +1,297 @@
+"""Packed shards: a run that reads what `python -m {{ cookiecutter.package_name }}.pack` wrote instead of calling
+`build_datasets`.
+
+    data.shards: null                the task's datasets, as build_datasets(cfg) returns them
+    data.shards: /data/packed        a folder here or on a shared filesystem (NFS, Lustre, ...)
+    data.shards: s3://bucket/packed  object storage (S3 or compatible), cached on each node
+
+A pack holds train/ and val/ in litdata's chunk format (chunks of ~64 MB: one file open per
+thousands of samples instead of one per sample) and pack.json, written last: a pack without it
+is unfinished and never trains. Record i of a split is record i of the set the pack command
+read, so shards sit behind the same samplers, mid-epoch resume and exact evaluation as any
+map-style dataset; the seam turns records into samples (`from_records` in data.py: decode,
+augment), and without one the records are the samples.
+
+From object storage, each node fetches the chunks its loaders reach into `data.shards_cache`,
+once per node (a file lock), and deletes the least recently used beyond `data.shards_cache_gb`;
+the training order goes chunk by chunk (loaders.ChunkOrderSampler), so a chunk is fetched once
+an epoch rather than once a sample. Credentials come from where boto3 looks for them (the
+AWS_* variables, ~/.aws, an instance role), never from the config.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import functools
+import hashlib
+import itertools
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch.utils.data import Dataset
+
+from .rules import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
+
+PACK_FILE = "pack.json"
+INDEX_FILE = "index.json"
+SPLITS = ("train", "val")  # the (train, eval) pair of build_datasets, in that order
+INSTALL = "pip install -e '.[shards]'"
+PACK_COMMAND = "python -m {{ cookiecutter.package_name }}.pack"
+GIGABYTE = 1024**3
+
+
+def require_litdata():
+    try:
+        import litdata
+    except ImportError:
+        raise ConfigError(f"data.shards needs litdata, which is not installed: {INSTALL}") from None
+    return litdata
+
+
+def datasets(cfg: Config):
+    """The (train, eval) datasets of a run: build_datasets(cfg), or the packed shards of data.shards."""
+    from . import task
+
+    if cfg.data.shards is None:
+        return task.build_datasets(cfg)
+    require_litdata()
+    pack = open_pack(cfg.data.shards)
+    sets = [ShardSet(pack, split, chunk_cache(cfg, pack, split)) for split in SPLITS]
+    from_records = getattr(task, "from_records", None)
+    return from_records(cfg, *sets) if from_records else tuple(sets)
+
+
+def facts(cfg: Config) -> dict:
+    """What the pack command recorded about the data (the seam's `pack_facts`: class names, ...)."""
+    return open_pack(cfg.data.shards).meta["facts"]
+
+
+def train_chunk_sizes(cfg: Config) -> list[int] | None:
+    """Records per chunk of the training split when it is fetched from object storage, else None."""
+    if cfg.data.shards is None or not is_remote(cfg.data.shards):
+        return None
+    return [chunk["chunk_size"] for chunk in open_pack(cfg.data.shards).indexes["train"]["chunks"]]
+
+
+def is_remote(location: str) -> bool:
+    return location.startswith("s3://")
+
+
+class Store:
+    """Where a pack lives: a folder, or a prefix in an S3 bucket. Names are relative to it."""
+
+    def __init__(self, location: str):
+        self.location = location.rstrip("/")
+        self.remote = is_remote(location)
+        self.bucket, _, self.prefix = self.location.removeprefix("s3://").partition("/")
+
+    def url(self, name: str) -> str:
+        return f"{self.location}/{name}"
+
+    def read(self, name: str) -> bytes | None:
+        """The file's bytes, or None when it does not exist."""
+        if not self.remote:
+            path = Path(self.location) / name
+            return path.read_bytes() if path.is_file() else None
+        with self._named_errors(name):
+            try:
+                return s3().get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+            except s3().exceptions.NoSuchKey:
+                return None
+
+    def names(self, folder: str) -> set[str]:
+        """The names of the files in `folder`."""
+        if not self.remote:
+            path = Path(self.location) / folder
+            return {entry.name for entry in os.scandir(path)} if path.is_dir() else set()
+        with self._named_errors(folder):
+            pages = s3().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(folder) + "/")
+            return {item["Key"].rsplit("/", 1)[-1] for page in pages for item in page.get("Contents", [])}
+
+    def fetch(self, name: str, destination: Path) -> None:
+        with self._named_errors(name):
+            s3().download_file(self.bucket, self._key(name), str(destination))
+
+    def put(self, source: Path, name: str) -> None:
+        with self._named_errors(name):
+            s3().upload_file(str(source), self.bucket, self._key(name))
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    @contextmanager
+    def _named_errors(self, name: str):
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except (BotoCoreError, ClientError) as err:
+            raise ConfigError(
+                f"data.shards: cannot read {self.url(name)} ({type(err).__name__}: {err}); check the URL, "
+                "AWS_ENDPOINT_URL and the credentials (the AWS_* variables, ~/.aws or an instance role)"
+            ) from None
+
+
+def s3():
+    """This process's S3 client (a loader worker makes its own: clients do not survive a fork)."""
+    return _s3_client(os.getpid())
+
+
+@functools.cache
+def _s3_client(pid: int):
+    import boto3
+    from botocore.config import Config as BotoConfig
+
+    # a few quick retries: unreachable storage is an error within a minute, not a hang
+    retries = {"max_attempts": 3, "mode": "standard"}
+    return boto3.client("s3", config=BotoConfig(connect_timeout=10, read_timeout=60, retries=retries))
+
+
+@dataclass
+class Pack:
+    store: Store
+    meta: dict  # pack.json
+    indexes: dict  # split -> its index.json (litdata's: the chunks and the records each holds)
+
+
+@functools.cache
+def open_pack(location: str) -> Pack:
+    """The pack at `location`, checked: finished, every chunk present, the record counts as packed."""
+    store = Store(location)
+    meta = store.read(PACK_FILE)
+    if meta is None:
+        raise ConfigError(
+            f"data.shards: {store.url(PACK_FILE)} does not exist, so {location} is not a finished pack; "
+            f"write one with `{PACK_COMMAND} {location}`"
+        )
+    meta, indexes = json.loads(meta), {}
+    for split in SPLITS:
+        index = json.loads(store.read(f"{split}/{INDEX_FILE}") or "null")
+        files = [chunk["filename"] for chunk in index["chunks"]] if index else [INDEX_FILE]
+        missing = sorted(set(files) - store.names(split)) if index else files
+        if missing:
+            raise ConfigError(
+                f"data.shards: {store.url(f'{split}/{missing[0]}')} is missing ({len(missing)} of {split}/'s "
+                f"{len(files)} files); restore it or pack again with `{PACK_COMMAND} NEW_LOCATION`"
+            )
+        if sum(chunk["chunk_size"] for chunk in index["chunks"]) != meta["records"][split]:
+            raise ConfigError(f"data.shards: {store.url(split)} holds other records than pack.json lists; pack again")
+        indexes[split] = index
+    return Pack(store, meta, indexes)
+
+
+class ShardSet(Dataset):
+    """One split of a pack as a map-style dataset: item i is record i."""
+
+    def __init__(self, pack: Pack, split: str, cache: ChunkCache | None):
+        chunks = pack.indexes[split]["chunks"]
+        self.starts = list(itertools.accumulate((chunk["chunk_size"] for chunk in chunks), initial=0))
+        self.directory = cache.directory if cache else Path(pack.store.location) / split
+        self.cache = cache
+        self.stream = None  # litdata's reader, opened in the process that reads (a loader worker)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < len(self):
+            raise IndexError(f"record {index} of {len(self)}")
+        if self.stream is None:
+            self.stream = require_litdata().StreamingDataset(str(self.directory))
+        if self.cache is not None:
+            self.cache.hold(bisect.bisect_right(self.starts, index) - 1)
+        return self.stream[index]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "stream": None}
+
+
+def chunk_cache(cfg: Config, pack: Pack, split: str) -> ChunkCache | None:
+    """The node's cache for a split of a remote pack (None for a folder: it is read in place)."""
+    if not pack.store.remote:
+        return None
+    root = Path(cfg.data.shards_cache or Path.home() / ".cache" / "{{ cookiecutter.project_slug }}" / "shards")
+    # a pack written again at the same URL gets a new id, so no stale chunk is ever read
+    name = hashlib.sha256(pack.store.location.encode()).hexdigest()[:16] + "-" + pack.meta["id"]
+    return ChunkCache(pack, split, root / name, int(cfg.data.shards_cache_gb * GIGABYTE))
+
+
+class ChunkCache:
+    """A split's chunks, fetched into a local folder when the loader first reaches them; the
+    folder (both splits) stays under `limit` bytes by deleting the least recently used chunks
+    that no process of the node is reading (each reader holds a shared lock on its chunk)."""
+
+    def __init__(self, pack: Pack, split: str, root: Path, limit: int):
+        self.store, self.split, self.root, self.limit = pack.store, split, root, limit
+        self.files = [chunk["filename"] for chunk in pack.indexes[split]["chunks"]]
+        self.directory = root / split
+        self.directory.mkdir(parents=True, exist_ok=True)
+        index = self.directory / INDEX_FILE
+        if not index.exists():
+            publish(index, json.dumps(pack.indexes[split]).encode())
+        self.held, self.reading = None, None  # the chunk this process reads now, and its shared lock
+
+    def hold(self, chunk: int) -> None:
+        """Make sure `chunk` is on local disk, and keep it there until this process reads another."""
+        if chunk == self.held:
+            return
+        self.release()
+        path = self.directory / self.files[chunk]
+        self.reading = open(path.with_name(path.name + ".readers"), "w")  # noqa: SIM115 (held until release)
+        fcntl.flock(self.reading, fcntl.LOCK_SH)
+        with locked(path):  # one process of the node fetches it; the others wait and read it
+            if path.exists():
+                os.utime(path)  # most recently used: the last to be deleted
+            else:
+                partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+                self.store.fetch(f"{self.split}/{path.name}", partial)
+                os.replace(partial, path)
+                self.trim()
+        self.held = chunk
+
+    def release(self) -> None:
+        if self.reading is not None:
+            self.reading.close()  # and with it the shared lock
+        self.held, self.reading = None, None
+
+    def trim(self) -> None:
+        """Delete the least recently used chunks nobody reads until the cache fits its limit."""
+        with locked(self.root / "trim"):  # one process at a time: none stats a file another deletes
+            chunks = [(path.stat(), path) for path in self.root.glob("*/*.bin")]
+            size = sum(stat.st_size for stat, _ in chunks)
+            for stat, path in sorted(chunks, key=lambda chunk: chunk[0].st_mtime):
+                if size <= self.limit:
+                    break
+                with open(path.with_name(path.name + ".readers"), "w") as readers:
+                    try:
+                        fcntl.flock(readers, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # being read
+                    size -= stat.st_size
+                    path.unlink()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "held": None, "reading": None}  # a loader worker takes its own locks
+
+
+@contextmanager
+def locked(path: Path):
+    """An exclusive lock beside `path`, shared by every process of the node."""
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def publish(path: Path, content: bytes) -> None:
+    """Write a file whole or not at all: readers never see a partial one."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+    partial.write_bytes(content)
+    os.replace(partial, path)

@@ -1,0 +1,261 @@
+"""Packed shards (pack.py, shards.py): the training order over chunks, the checks of a pack, and
+in the slow tier the pack command, exact resume and evaluation, the proofs and the smoke check
+on shards, and object storage against an S3-compatible server started here on loopback."""
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_args, wait_for
+from test_faults import EVERY_10, FAULTY, assert_bit_identical, final_state, worker_pid
+
+from {{ cookiecutter.package_name }} import checkpoint, config, loaders, shards, task
+from {{ cookiecutter.package_name }}.rules import ConfigError
+
+needs_litdata = pytest.mark.skipif(
+    importlib.util.find_spec("litdata") is None, reason=f"litdata is not installed: {shards.INSTALL}"
+)
+needs_moto = pytest.mark.skipif(
+    importlib.util.find_spec("moto") is None, reason="no S3-compatible server to test with: pip install 'moto[server]'"
+)
+PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
+CHUNKS = [7, 7, 7, 5, 7, 7, 3]  # records per chunk: uneven, like a pack's last chunk of each packing process
+
+
+def chunk_order(world_size: int, rank: int, epoch: int = 0, skip: int = 0) -> list[int]:
+    sampler = loaders.ChunkOrderSampler(range(sum(CHUNKS)), CHUNKS, num_replicas=world_size, rank=rank, seed=3)
+    sampler.set_epoch(epoch)
+    sampler.skip = skip
+    return list(sampler)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_chunk_order_gives_each_record_to_one_rank_once_and_every_rank_as_many(world_size):
+    orders = [chunk_order(world_size, rank) for rank in range(world_size)]
+    everything = [index for order in orders for index in order]
+    assert len(set(everything)) == len(everything) == sum(CHUNKS) // world_size * world_size
+    assert {len(order) for order in orders} == {sum(CHUNKS) // world_size}
+    # the order of the epoch does not depend on the world size: the ranks hold consecutive parts of it
+    assert everything == chunk_order(1, 0)[: len(everything)]
+
+
+def test_the_chunk_order_reads_chunk_after_chunk_and_changes_every_epoch():
+    starts = [sum(CHUNKS[:i]) for i in range(len(CHUNKS) + 1)]
+    chunk_of = [next(c for c in range(len(CHUNKS)) if starts[c] <= i < starts[c + 1]) for i in range(sum(CHUNKS))]
+    order = chunk_order(1, 0)
+    visits = [chunk_of[i] for i in order]
+    runs = [chunk for i, chunk in enumerate(visits) if i == 0 or chunk != visits[i - 1]]
+    assert sorted(runs) == list(range(len(CHUNKS)))  # each chunk read in one go
+    assert runs != sorted(runs) and chunk_order(1, 0, epoch=1) != order  # shuffled, and anew each epoch
+    assert chunk_order(2, 1, skip=4) == chunk_order(2, 1)[4:]  # a resume mid-epoch continues the same order
+
+
+def test_a_folder_without_pack_json_is_one_config_error_naming_the_pack_command(tmp_path):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(ConfigError, match=f"{tmp_path}/pack.json does not exist.*python -m {PACKAGE}.pack"):
+        shards.open_pack(str(tmp_path))
+
+
+def test_without_litdata_data_shards_is_one_config_error_naming_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "litdata", None)  # what an environment without it imports
+    with pytest.raises(ConfigError, match=r"litdata, which is not installed: pip install -e '\.\[shards\]'"):
+        shards.datasets(config.load(SMOKE_CONFIG, [f"data.shards={tmp_path}"]))
+
+
+def test_data_shards_takes_a_folder_or_an_s3_url():
+    assert config.load(SMOKE_CONFIG, ["data.shards=s3://bucket/packed"]).data.shards == "s3://bucket/packed"
+    with pytest.raises(ConfigError, match="data.shards.*use null, a folder or an s3:// URL"):
+        config.load(SMOKE_CONFIG, ["data.shards=gs://bucket/packed"])
+
+
+def test_a_mid_epoch_resume_of_shards_on_another_world_size_names_why_and_what_to_do():
+    payload = {"world_size": 2, "batch_in_epoch": 3}
+    cpu = loaders.DistInfo(0, 0, 3, 3, torch.device("cpu"), "gloo")
+    with_shards = {"data": {"shards": "/data/packed"}}
+    problem = checkpoint.shards_resume_problem(payload, cpu, with_shards)
+    assert "written by 2 ranks" in problem and "this run has 3" in problem and "resume on 2 ranks" in problem
+    assert checkpoint.shards_resume_problem(payload | {"batch_in_epoch": 0}, cpu, with_shards) is None  # epoch end
+    assert checkpoint.shards_resume_problem(payload, cpu, {"data": {"shards": None}}) is None
+
+
+def pack(out, *overrides: str, env: dict | None = None, timeout: float = 120):
+    """The pack command as a user runs it, on the tests' dataset, in small chunks (many of them)."""
+    command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG, *TINY]
+    return run([*command, "--workers", "2", "--chunk-mb", "0.02", *overrides], env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("packs") / "smoke"
+    assert f"train on them with data.shards={out}" in pack(out).stdout
+    return str(out)
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_a_pack_holds_the_records_of_build_datasets_in_order(packed):
+    meta = json.loads((Path(packed) / "pack.json").read_text())
+    assert len(list((Path(packed) / "train").glob("*.bin"))) > 3  # several chunks
+    from_shards = shards.datasets(config.load(SMOKE_CONFIG, [*TINY, f"data.shards={packed}"]))
+    from_source = task.build_datasets(config.load(SMOKE_CONFIG, TINY))
+    for split, records, samples in zip(shards.SPLITS, from_shards, from_source, strict=True):
+        assert len(records) == len(samples) == meta["records"][split]
+        for i in range(len(samples)):
+            assert_bit_identical(records[i], samples[i], f"{split} record {i}")
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_a_stopped_pack_leaves_no_pack_behind_and_the_next_one_finishes(tmp_path):
+    out = tmp_path / "packed"
+    command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG, "--chunk-mb", "0.002"]
+    job = subprocess.Popen(command, cwd=PROJECT, env=project_env(), start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any((tmp_path / "packed.partial").rglob("*.bin")), timeout=60)
+        os.killpg(job.pid, signal.SIGKILL)
+    finally:
+        job.wait(timeout=30)
+    assert not out.exists()  # only packed.partial, which the next pack replaces
+    result = run([sys.executable, *train_args(tmp_path, f"data.shards={out}")], check=False, timeout=60)
+    assert result.returncode == 2 and "is not a finished pack" in result.stderr
+    pack(out)
+    assert (out / "pack.json").exists() and not (tmp_path / "packed.partial").exists()
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrupted_one(tmp_path, packed):
+    steps = len(task.build_datasets(config.load(SMOKE_CONFIG, TINY))[0]) // 2 // 16 + 5  # into epoch 1
+    overrides = (*EVERY_10, f"train.max_steps={steps}", f"data.shards={packed}")
+    torchrun(*train_args(tmp_path / "straight", *overrides), timeout=120)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY]
+    command += train_args(tmp_path / "killed", *overrides)[2:]
+    job = subprocess.Popen(command, cwd=PROJECT, env=project_env(FAULT="slow", FAULT_SECONDS="0.05"), text=True)
+    try:
+        wait_for((tmp_path / "killed" / "smoke" / "checkpoints" / "step_00000010.pt").exists, timeout=60)
+        os.kill(worker_pid(job.pid, rank=1), signal.SIGKILL)  # mid-epoch 0, before step 20's checkpoint
+        assert job.wait(timeout=60) != 0
+    finally:
+        job.kill()
+    resumed = torchrun(*train_args(tmp_path / "killed", *overrides), timeout=120)
+    assert "step_00000010.pt at step 10" in resumed.stdout
+    result, straight = (final_state(tmp_path / name / "smoke", steps) for name in ("killed", "straight"))
+    for part in ("model", "optimizer", "scheduler", "step", "epoch"):
+        assert_bit_identical(result[part], straight[part], part)
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_the_proofs_and_exact_evaluation_hold_on_shards_for_world_sizes_1_2_3(tmp_path, packed):
+    on_shards = (*TINY, f"data.shards={packed}")
+    proofs = torchrun(PROOFS, str(tmp_path), *on_shards, nproc=2, timeout=180)
+    assert "proofs on 2 ranks: PASS (0 failed, 0 warnings)" in proofs.stdout
+    torchrun(PROOFS, str(tmp_path), "--only", "eval", *on_shards, nproc=3, timeout=120)
+    run([sys.executable, PROOFS, str(tmp_path), "--only", "eval", *on_shards], timeout=60)
+    reference = json.loads((tmp_path / "proofs-1.json").read_text())["eval"]
+    size = len(task.build_datasets(config.load(SMOKE_CONFIG, TINY))[1])
+    for world in (1, 2, 3):
+        results = json.loads((tmp_path / f"proofs-{world}.json").read_text())["eval"]
+        assert results["eval_samples"] == results["dataset_size"] == size, world  # no padding counted, no tail lost
+        assert results == pytest.approx(reference, rel=1e-6), world  # fp32 sums in another order
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_the_smoke_check_passes_on_shards(tmp_path, packed):
+    env = project_env(CUDA_VISIBLE_DEVICES="")
+    result = run(["bash", "scripts/smoke.sh", f"run.out_dir={tmp_path}", f"data.shards={packed}"], env=env, timeout=180)
+    assert "smoke: PASS (0 failed" in result.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_env(tmp_path_factory):
+    """An S3-compatible server (moto's) on loopback with a bucket, and the standard AWS variables
+    that point boto3 at it: the project's code runs unchanged."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    env = project_env(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=30)
+        s3_client(env).create_bucket(Bucket="datasets")
+        yield env
+    finally:
+        server.kill()
+
+
+def s3_client(env: dict):
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env["AWS_DEFAULT_REGION"],
+    )
+
+
+@pytest.fixture(scope="module")
+def s3_pack(s3_env) -> str:
+    pack("s3://datasets/smoke", env=s3_env)
+    return "s3://datasets/smoke"
+
+
+@pytest.mark.slow
+@needs_litdata
+@needs_moto
+def test_shards_in_object_storage_train_with_a_small_cache_and_resume_exactly(tmp_path, s3_env, s3_pack):
+    cache = tmp_path / "cache"
+    steps = 25  # mid-epoch 0: the crash at step 15 resumes from step 10's checkpoint
+    overrides = (*EVERY_10, f"train.max_steps={steps}", f"data.shards={s3_pack}", "data.num_workers=1")
+    overrides += (f"data.shards_cache={cache}", "data.shards_cache_gb=0.0001")  # 107 kB: a few chunks of 20 kB
+    torchrun(*train_args(tmp_path / "straight", *overrides), env=s3_env, timeout=120)
+    fault = s3_env | {"FAULT": "crash", "FAULT_RANK": "1", "FAULT_STEP": "15"}
+    crashed = torchrun(FAULTY, *train_args(tmp_path / "crashed", *overrides)[2:], env=fault, check=False, timeout=120)
+    assert crashed.returncode != 0 and "injected crash in step 15" in crashed.stderr
+    resumed = torchrun(*train_args(tmp_path / "crashed", *overrides), env=s3_env, timeout=120)
+    assert "step_00000010.pt at step 10" in resumed.stdout
+    result, straight = (final_state(tmp_path / name / "smoke", steps) for name in ("crashed", "straight"))
+    assert_bit_identical(result["model"], straight["model"], "model")
+    cached = sum(path.stat().st_size for path in cache.rglob("*.bin"))
+    assert cached <= 0.0001 * shards.GIGABYTE + 4 * 20 * 1024  # the limit, give or take the chunks being read
+
+
+@pytest.mark.slow
+@needs_litdata
+@needs_moto
+def test_a_missing_chunk_or_unreachable_storage_is_one_line_on_every_rank(tmp_path, s3_env, s3_pack):
+    s3 = s3_client(s3_env)
+    for item in s3.list_objects_v2(Bucket="datasets", Prefix="smoke/")["Contents"]:  # a copy with a chunk lost
+        if item["Key"] != "smoke/train/chunk-1-0.bin":
+            source = {"Bucket": "datasets", "Key": item["Key"]}
+            s3.copy_object(Bucket="datasets", Key=item["Key"].replace("smoke/", "broken/", 1), CopySource=source)
+    start = time.monotonic()
+    result = torchrun(*train_args(tmp_path, "data.shards=s3://datasets/broken"), env=s3_env, check=False, timeout=120)
+    assert result.returncode != 0 and time.monotonic() - start < 60
+    missing = "config error: data.shards: s3://datasets/broken/train/chunk-1-0.bin is missing"
+    assert result.stderr.count(missing) == 2, result.stderr
+    closed = s3_env | {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    result = torchrun(*train_args(tmp_path, f"data.shards={s3_pack}"), env=closed, check=False, timeout=120)
+    assert result.stderr.count(f"config error: data.shards: cannot read {s3_pack}/pack.json") == 2
