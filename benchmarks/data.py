@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import gc
 import json
 import os
 import statistics
@@ -58,22 +59,16 @@ def slow_opens(folders: list[str], latency_s: float, counts) -> None:
     builtins.open = open_slowly  # PIL, torchvision, litdata and numpy's memmap all open through it
 
 
-def worker_main(args) -> None:
-    """Runs inside torchrun: read `batches` batches through DDP and report images/s."""
+def read(args) -> tuple[int, float]:
+    """(images, seconds) of this rank's timed batches: read, or read and trained on."""
     import torch
-    import torch.distributed as dist
     from ddp_trainer import config, shards
     from torch.utils.data import DataLoader, DistributedSampler
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     overrides = [f"dataset.root={args.tree}", f"dataset.image_size={args.image_size}"]
     if args.source == "shards":
         overrides.append(f"data.shards={args.pack}")
     train_set, _ = shards.datasets(config.load(None, overrides))
-    opens = torch.zeros(1 + args.worker).share_memory_()  # before the workers fork, so they share it
-    if args.open_latency_ms:
-        slow_opens([args.tree + os.sep, args.pack + os.sep], args.open_latency_ms / 1000, opens)
     loader = DataLoader(
         train_set,
         batch_size=32,
@@ -86,11 +81,11 @@ def worker_main(args) -> None:
         head = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(48, 5))
         model = torch.nn.parallel.DistributedDataParallel(head)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    start, seen, step = None, torch.zeros(1), 0
+    start, seen, step = None, 0, 0
     while step < args.batches:
         for images, targets in loader:
             if step == 2:  # workers started and warm
-                start, seen = time.perf_counter(), torch.zeros(1)
+                start, seen = time.perf_counter(), 0
             if args.mode == "training":
                 torch.nn.functional.cross_entropy(model(images), targets).backward()
                 optimizer.step()
@@ -99,15 +94,30 @@ def worker_main(args) -> None:
             step += 1
             if step == args.batches:
                 break
-    elapsed = time.perf_counter() - start
-    totals = torch.cat([seen, opens.sum().reshape(1)])
+    return seen, time.perf_counter() - start
+
+
+def worker_main(args) -> None:
+    """Runs inside torchrun: rank 0 writes the images/s of both ranks and the opens per image."""
+    import torch
+    import torch._dynamo  # noqa: F401  (DDP imports it; before the group, or it keeps the group alive)
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    opens = torch.zeros(1 + args.worker).share_memory_()  # before the loader workers fork, so they share it
+    if args.open_latency_ms:
+        slow_opens([args.tree + os.sep, args.pack + os.sep], args.open_latency_ms / 1000, opens)
+    images, seconds = read(args)  # returned: its DDP model, which holds the group, is gone
+    totals = torch.tensor([images, opens.sum().item()])
     dist.all_reduce(totals)
     if dist.get_rank() == 0:
-        # opens over every image read, warm-up and prefetch included (those read ahead are a few batches)
-        opens_per_image = totals[1].item() / (args.batches * 32 * dist.get_world_size())
-        Path(args.out).write_text(json.dumps({"rate": totals[0].item() / elapsed, "opens": opens_per_image}))
+        # opens over all images the ranks took, warm-up included (the few batches read ahead are not)
+        per_image = totals[1].item() / (args.batches * 32 * dist.get_world_size())
+        Path(args.out).write_text(json.dumps({"rate": totals[0].item() / seconds, "opens": per_image}))
     dist.barrier()
     dist.destroy_process_group()
+    gc.collect()  # module graphs hold cycles: the last reference to the group goes now, not at exit
 
 
 def run(project: Path, data: dict, source: str, mode: str, workers: int, latency: float, args, scratch: Path):
@@ -145,6 +155,25 @@ def prepare(project: Path, scratch: Path, args) -> dict:
     }
 
 
+def table(settings: list, results: dict, rule: int) -> str:
+    lines = [
+        "| mode | workers per rank | file opens | tree images/s | shards images/s | shards/tree (min-max) "
+        "| opens per image, tree / shards |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for setting in settings:
+        (mode, workers, latency), tree, packed = setting, results[setting, "tree"], results[setting, "shards"]
+        ratios = [p["rate"] / t["rate"] for t, p in zip(tree, packed, strict=True)]
+        rates = [f"{statistics.median(r['rate'] for r in rs):.0f}" for rs in (tree, packed)]
+        opens = " / ".join(f"{statistics.median(r['opens'] for r in rs):.3f}" for rs in (tree, packed))
+        lines.append(
+            f"| {mode} | {workers} ({'rule' if workers == rule else 'fixed'}) | "
+            f"{f'slow, {latency:g} ms' if latency else 'local'} | {rates[0]} | {rates[1]} | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {opens if latency else '-'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, few batches, the rule's worker count only")
@@ -163,7 +192,7 @@ def main(argv=None) -> int:
         worker_main(args)
         return 0
     if args.quick:
-        args.rounds, args.batches = 1, 8
+        args.rounds, args.batches = 1, 12
 
     from cookiecutter.main import cookiecutter
 
@@ -181,27 +210,15 @@ def main(argv=None) -> int:
         results = {(setting, source): [] for setting in settings for source in SOURCES}
         for round_ in range(args.rounds):
             for setting in settings:
-                for source in SOURCES[:: 1 - 2 * (round_ % 2)]:  # which goes first alternates by round
+                for source in reversed(SOURCES) if round_ % 2 else SOURCES:  # which goes first alternates
                     results[setting, source].append(run(project, data, source, *setting, args, Path(scratch)))
     print(
-        f"{cpus_available()} CPUs, 2 ranks x 1 thread, batch 32 per rank, {args.image_size} px crops; "
-        f"{data['about']}; {args.rounds} round(s) of {args.batches - 2} timed batches per rank. Slow opens: every "
-        f"open() of a tree or pack file sleeps {args.open_latency_ms:g} ms first (a network filesystem's round trip)."
+        f"{cpus_available()} CPUs, 2 ranks x 1 thread, batch 32 per rank, {args.image_size} px crops; {data['about']}; "
+        f"{args.rounds} round(s) of {args.batches - 2} timed batches per rank. Slow opens: every open() of a tree or "
+        f"pack file first sleeps {args.open_latency_ms:g} ms (a network filesystem's round trip); opens counted, "
+        "batches read ahead included"
     )
-    print(
-        "| mode | workers per rank | file opens | tree images/s | shards images/s | shards/tree (min-max) "
-        "| opens per image, tree / shards |\n|---|---|---|---|---|---|---|"
-    )
-    for setting in settings:
-        (mode, workers, latency), tree, packed = setting, results[setting, "tree"], results[setting, "shards"]
-        ratios = [p["rate"] / t["rate"] for t, p in zip(tree, packed, strict=True)]
-        name = f"{workers} (rule)" if workers == rule else f"{workers} (fixed)"
-        opens = " / ".join(f"{statistics.median(r['opens'] for r in rs):.3f}" for rs in (tree, packed))
-        print(
-            f"| {mode} | {name} | {f'slow, {latency:g} ms' if latency else 'local'} "
-            f"| {statistics.median(r['rate'] for r in tree):.0f} | {statistics.median(r['rate'] for r in packed):.0f} "
-            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {opens if latency else '-'} |"
-        )
+    print(table(settings, results, rule))
     return 0
 
 

@@ -50,9 +50,7 @@ def rank_orders(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
     """The sample indices each rank's sampler yields in an epoch."""
     orders = []
     for rank in range(world_size):
-        sampler = loaders.ResumableSampler(
-            train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.run.seed, drop_last=True
-        )
+        sampler = loaders.train_sampler(train_set, cfg, world_size, rank, shards.train_chunks(cfg))
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return orders

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_args, wait_for
@@ -27,11 +28,12 @@ needs_moto = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None, reason="no S3-compatible server to test with: pip install 'moto[server]'"
 )
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-CHUNKS = [7, 7, 7, 5, 7, 7, 3]  # records per chunk: uneven, like a pack's last chunk of each packing process
+# the records each chunk holds: uneven sizes (a packing process's last chunk is short), in a pack's random order
+CHUNKS = [chunk.tolist() for chunk in torch.randperm(43, generator=torch.Generator().manual_seed(0)).split(7)]
 
 
 def chunk_order(world_size: int, rank: int, epoch: int = 0, skip: int = 0) -> list[int]:
-    sampler = loaders.ChunkOrderSampler(range(sum(CHUNKS)), CHUNKS, num_replicas=world_size, rank=rank, seed=3)
+    sampler = loaders.ChunkOrderSampler(range(43), CHUNKS, num_replicas=world_size, rank=rank, seed=3)
     sampler.set_epoch(epoch)
     sampler.skip = skip
     return list(sampler)
@@ -41,21 +43,29 @@ def chunk_order(world_size: int, rank: int, epoch: int = 0, skip: int = 0) -> li
 def test_the_chunk_order_gives_each_record_to_one_rank_once_and_every_rank_as_many(world_size):
     orders = [chunk_order(world_size, rank) for rank in range(world_size)]
     everything = [index for order in orders for index in order]
-    assert len(set(everything)) == len(everything) == sum(CHUNKS) // world_size * world_size
-    assert {len(order) for order in orders} == {sum(CHUNKS) // world_size}
+    assert len(set(everything)) == len(everything) == 43 // world_size * world_size
+    assert {len(order) for order in orders} == {43 // world_size}
     # the order of the epoch does not depend on the world size: the ranks hold consecutive parts of it
     assert everything == chunk_order(1, 0)[: len(everything)]
 
 
 def test_the_chunk_order_reads_chunk_after_chunk_and_changes_every_epoch():
-    starts = [sum(CHUNKS[:i]) for i in range(len(CHUNKS) + 1)]
-    chunk_of = [next(c for c in range(len(CHUNKS)) if starts[c] <= i < starts[c + 1]) for i in range(sum(CHUNKS))]
+    chunk_of = {index: number for number, chunk in enumerate(CHUNKS) for index in chunk}
     order = chunk_order(1, 0)
     visits = [chunk_of[i] for i in order]
     runs = [chunk for i, chunk in enumerate(visits) if i == 0 or chunk != visits[i - 1]]
     assert sorted(runs) == list(range(len(CHUNKS)))  # each chunk read in one go
     assert runs != sorted(runs) and chunk_order(1, 0, epoch=1) != order  # shuffled, and anew each epoch
+    assert order[:7] != sorted(order[:7])  # the records within a chunk too
     assert chunk_order(2, 1, skip=4) == chunk_order(2, 1)[4:]  # a resume mid-epoch continues the same order
+
+
+def test_a_run_that_never_packs_imports_neither_litdata_nor_boto3():
+    code = (
+        f"import sys; from {PACKAGE} import config, shards, train; shards.datasets(config.load({SMOKE_CONFIG!r}))\n"
+        "print(sorted({'litdata', 'boto3', 'botocore'} & set(sys.modules)))"
+    )
+    assert run([sys.executable, "-c", code], timeout=60).stdout.strip() == "[]"
 
 
 def test_a_folder_without_pack_json_is_one_config_error_naming_the_pack_command(tmp_path):
@@ -76,14 +86,18 @@ def test_data_shards_takes_a_folder_or_an_s3_url():
         config.load(SMOKE_CONFIG, ["data.shards=gs://bucket/packed"])
 
 
-def test_a_mid_epoch_resume_of_shards_on_another_world_size_names_why_and_what_to_do():
-    payload = {"world_size": 2, "batch_in_epoch": 3}
-    cpu = loaders.DistInfo(0, 0, 3, 3, torch.device("cpu"), "gloo")
-    with_shards = {"data": {"shards": "/data/packed"}}
-    problem = checkpoint.shards_resume_problem(payload, cpu, with_shards)
+def test_a_mid_epoch_resume_of_shards_on_another_world_size_or_order_names_why_and_what_to_do():
+    payload = {"world_size": 2, "batch_in_epoch": 3, "config": {"data": {"shards": "/data/packed"}}}
+    three = loaders.DistInfo(0, 0, 3, 3, torch.device("cpu"), "gloo")
+    two = loaders.DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo")
+    problem = checkpoint.shards_resume_problem(payload, three, {"data": {"shards": "/data/packed"}})
     assert "written by 2 ranks" in problem and "this run has 3" in problem and "resume on 2 ranks" in problem
-    assert checkpoint.shards_resume_problem(payload | {"batch_in_epoch": 0}, cpu, with_shards) is None  # epoch end
-    assert checkpoint.shards_resume_problem(payload, cpu, {"data": {"shards": None}}) is None
+    at_epoch_end = payload | {"batch_in_epoch": 0}
+    assert checkpoint.shards_resume_problem(at_epoch_end, three, {"data": {"shards": "/data/packed"}}) is None
+    # a folder's order is build_datasets's: switching between them mid-epoch is exact; object storage's is not
+    assert checkpoint.shards_resume_problem(payload, two, {"data": {"shards": None}}) is None
+    problem = checkpoint.shards_resume_problem(payload, two, {"data": {"shards": "s3://bucket/packed"}})
+    assert "with data.shards=/data/packed, and this run reads s3://bucket/packed" in problem
 
 
 def pack(out, *overrides: str, env: dict | None = None, timeout: float = 120):
@@ -104,6 +118,8 @@ def packed(tmp_path_factory) -> str:
 def test_a_pack_holds_the_records_of_build_datasets_in_order(packed):
     meta = json.loads((Path(packed) / "pack.json").read_text())
     assert len(list((Path(packed) / "train").glob("*.bin"))) > 3  # several chunks
+    order = np.load(Path(packed) / "train" / "order.npy")  # on disk, the training records in a random order
+    assert sorted(order) == list(range(meta["records"]["train"])) and list(order) != sorted(order)
     from_shards = shards.datasets(config.load(SMOKE_CONFIG, [*TINY, f"data.shards={packed}"]))
     from_source = task.build_datasets(config.load(SMOKE_CONFIG, TINY))
     for split, records, samples in zip(shards.SPLITS, from_shards, from_source, strict=True):
@@ -145,6 +161,9 @@ def test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrup
         assert job.wait(timeout=60) != 0
     finally:
         job.kill()
+    alone = run([sys.executable, *train_args(tmp_path / "killed", *overrides)], check=False, timeout=60)
+    refused = "config error: checkpoint.resume: step_00000010.pt was written by 2 ranks in the middle of an epoch"
+    assert alone.returncode == 2 and alone.stderr.count(refused) == 1, alone.stderr  # not on 1 rank: not exact
     resumed = torchrun(*train_args(tmp_path / "killed", *overrides), timeout=120)
     assert "step_00000010.pt at step 10" in resumed.stdout
     result, straight = (final_state(tmp_path / name / "smoke", steps) for name in ("killed", "straight"))

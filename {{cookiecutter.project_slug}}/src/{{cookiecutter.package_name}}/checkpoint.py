@@ -24,6 +24,7 @@ from torch import nn
 from . import dist
 from .dist import DistInfo
 from .rules import ConfigError
+from .shards import is_remote
 
 
 @dataclass
@@ -224,19 +225,34 @@ def model_mismatch(model: nn.Module, saved: dict) -> str | None:
 
 
 def shards_resume_problem(payload: dict, info: DistInfo, config: dict) -> str | None:
-    """Why a run on packed shards cannot resume mid-epoch on another world size, or None.
+    """Why a run on packed shards cannot resume in the middle of the epoch it was written in, or None.
 
-    Each rank skips the records it has read this epoch; on another world size the ranks' parts of
-    the epoch's order differ, so some records would be read twice and others never.
+    Each rank skips the records it has read this epoch in the epoch's order. That order is one
+    shuffle of the records on a folder (as without shards) and goes chunk by chunk from object
+    storage; each rank's part of it depends on the world size. Another world size, or another
+    kind of order, would read some records twice and others never.
     """
+    if not payload["batch_in_epoch"]:
+        return None
+    before, now = payload.get("config", {}).get("data", {}).get("shards"), config.get("data", {}).get("shards")
+    if order_of(before) != order_of(now):
+        return (
+            f"was written in the middle of an epoch with data.shards={before}, and this run reads {now}: its records "
+            f"come in another order; finish the epoch with data.shards={before}, or pass checkpoint.resume=never"
+        )
     saved = payload.get("world_size", info.world_size)
-    if not config.get("data", {}).get("shards") or saved == info.world_size or not payload["batch_in_epoch"]:
+    if not now or saved == info.world_size:
         return None
     return (
         f"was written by {saved} ranks in the middle of an epoch of data.shards, and this run has "
         f"{info.world_size}: the epoch's remaining records would not be read exactly once; resume on {saved} "
         "ranks, or pass checkpoint.resume=never to start afresh"
     )
+
+
+def order_of(location: str | None) -> str | None:
+    """The training order data.shards gives: chunk by chunk for a pack in object storage, else one shuffle."""
+    return location if location and is_remote(location) else None
 
 
 def changed_settings(saved: dict, current: dict, prefix: str = "") -> list[str]:

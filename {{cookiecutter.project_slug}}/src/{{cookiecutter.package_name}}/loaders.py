@@ -36,22 +36,20 @@ class ResumableSampler(DistributedSampler):
 
 class ChunkOrderSampler(ResumableSampler):
     """ResumableSampler for shards fetched from object storage: each epoch shuffles the order of
-    the chunks and the records within each chunk, then gives each rank a contiguous run of that
+    the chunks and the records within each chunk, then gives each rank a consecutive part of that
     order, so a rank's loader workers read chunk after chunk (each fetched once an epoch) instead
     of one record from anywhere. The order depends on the seed and the epoch only, not on the
-    world size; like DistributedSampler(drop_last=True), the last len % world records rest."""
+    world size; like DistributedSampler(drop_last=True), the last len % world records rest.
+    `chunks` lists the dataset indices each chunk holds."""
 
-    def __init__(self, dataset: Dataset, chunk_sizes: list[int], **kwargs):
+    def __init__(self, dataset: Dataset, chunks: list, **kwargs):
         super().__init__(dataset, drop_last=True, **kwargs)
-        self.chunk_starts = list(itertools.accumulate(chunk_sizes, initial=0))
+        self.chunks = [torch.as_tensor(chunk) for chunk in chunks]
 
     def global_order(self) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = []
-        for chunk in torch.randperm(len(self.chunk_starts) - 1, generator=generator).tolist():
-            start, end = self.chunk_starts[chunk], self.chunk_starts[chunk + 1]
-            order += (start + torch.randperm(end - start, generator=generator)).tolist()
-        return order
+        chunks = [self.chunks[c] for c in torch.randperm(len(self.chunks), generator=generator).tolist()]
+        return torch.cat([chunk[torch.randperm(len(chunk), generator=generator)] for chunk in chunks]).tolist()
 
     def __iter__(self):
         first = self.rank * self.num_samples
@@ -70,21 +68,20 @@ def resolve_workers(cfg: Config, cpus: int, local_world_size: int) -> int:
     return cfg.data.num_workers
 
 
+def train_sampler(train_set: Dataset, cfg: Config, world_size: int, rank: int, chunks: list | None = None):
+    """The training order: shuffled anew each epoch, or chunk by chunk when `chunks` (the indices
+    each chunk of shards in object storage holds) are given."""
+    ranks = dict(num_replicas=world_size, rank=rank, seed=cfg.run.seed)
+    if chunks is None:
+        return ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
+    return ChunkOrderSampler(train_set, chunks, **ranks)
+
+
 def build_loaders(
-    train_set: Dataset,
-    eval_set: Dataset,
-    cfg: Config,
-    info: DistInfo,
-    num_workers: int,
-    chunk_sizes: list[int] | None = None,
+    train_set: Dataset, eval_set: Dataset, cfg: Config, info: DistInfo, num_workers: int, chunks: list | None = None
 ):
-    """(train loader, eval loader); the train sampler is `train_loader.sampler`. `chunk_sizes`
-    (records per chunk of shards in object storage) makes the training order go chunk by chunk."""
-    ranks = dict(num_replicas=info.world_size, rank=info.rank, seed=cfg.run.seed)
-    if chunk_sizes is None:
-        train_sampler = ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
-    else:
-        train_sampler = ChunkOrderSampler(train_set, chunk_sizes, **ranks)
+    """(train loader, eval loader); the train sampler is `train_loader.sampler`."""
+    sampler = train_sampler(train_set, cfg, info.world_size, info.rank, chunks)
     # no shuffle and no drop: evaluation sees every sample; metrics.py masks the padding
     eval_sampler = DistributedSampler(eval_set, num_replicas=info.world_size, rank=info.rank, shuffle=False)
     common = dict(
@@ -96,7 +93,7 @@ def build_loaders(
         prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,
     )
     # drop_last on the loader too: every rank runs the same number of full-size steps
-    train_loader = DataLoader(train_set, sampler=train_sampler, drop_last=True, generator=own_rng(cfg, info), **common)
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, generator=own_rng(cfg, info), **common)
     eval_loader = DataLoader(eval_set, sampler=eval_sampler, drop_last=False, generator=own_rng(cfg, info), **common)
     return train_loader, eval_loader
 

@@ -4,24 +4,31 @@
 
 OUT is a folder or an s3:// URL. The training and evaluation sets that build_datasets(cfg)
 returns (or, when data.py defines it, build_records(cfg): the raw records, such as encoded
-images, that from_records turns into samples) are written in order, record i of a set as
-record i of OUT/train or OUT/val, in chunks of --chunk-mb, by --workers processes. pack.json,
-with what the seam's pack_facts(cfg) returns (class names, a vocabulary size), is written
-last: a pack that was stopped part-way is left aside (a folder) or never finished (a URL), and
-training refuses it. See the README's "Data at scale".
+images, that from_records turns into samples) are written in chunks of --chunk-mb by --workers
+processes: the evaluation records in order, the training records in a random order drawn from
+--seed and kept in OUT/train/order.npy, so that each chunk holds a random sample of them (a
+dataset sorted by class or a text in order would otherwise give chunks of one class or one
+passage, and a run reading chunk by chunk from object storage batches of them). pack.json, with
+what the seam's pack_facts(cfg) returns (class names, a vocabulary size), is written last: a
+pack that was stopped part-way is left aside (a folder) or never finished (a URL), and training
+refuses it. See the README's "Data at scale".
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+import numpy as np
 
 from . import config, shards, task
 from .rules import ConfigError
@@ -34,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/default.yaml", help="YAML file with the dataset's settings")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes that pack")
     parser.add_argument("--chunk-mb", type=float, default=64.0, help="chunk size in MB (litdata's default: 64)")
+    parser.add_argument("--seed", type=int, default=0, help="draws the order of the training records on disk")
     return parser.parse_intermixed_args(argv)
 
 
@@ -53,55 +61,64 @@ def build_records(cfg):
     return build(cfg) if build else task.build_datasets(cfg)
 
 
-def write_pack(cfg, folder: Path, workers: int, chunk_mb: float) -> dict:
+def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> dict:
     """The shards of both sets in `folder`, then pack.json; returns pack.json's content."""
     litdata = shards.require_litdata()
     records = dict(zip(shards.SPLITS, build_records(cfg), strict=True))
+    if hasattr(records["train"], "set_epoch"):
+        print(
+            "warning: the training set has set_epoch, so its samples change each epoch, and a pack keeps one draw of "
+            "them: define build_records and from_records in data.py to pack the records before augmentation"
+        )
+    order = np.random.default_rng(seed).permutation(len(records["train"]))
     for split, dataset in records.items():
         print(f"packing {split}: {len(dataset)} records", flush=True)
         litdata.optimize(
             fn=RecordAt(dataset),
-            inputs=list(range(len(dataset))),
+            inputs=order.tolist() if split == "train" else list(range(len(dataset))),
             output_dir=str(folder / split),
             chunk_bytes=int(chunk_mb * 1024**2),
             num_workers=max(1, min(workers, len(dataset))),
-            keep_data_ordered=True,  # record i of the set is record i of the split
+            keep_data_ordered=True,  # the record at position j is inputs[j]
             reorder_files=False,
             verbose=True,
         )
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # litdata's handler exits 0 on Ctrl-C
+    np.save(folder / "train" / shards.ORDER_FILE, order)
     facts = getattr(task, "pack_facts", None)
     meta = {
         "id": uuid.uuid4().hex[:12],
         "records": {split: len(dataset) for split, dataset in records.items()},
         "facts": facts(cfg) if facts else {},
         "dataset": config.to_dict(cfg)["dataset"],
+        "seed": seed,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (folder / shards.PACK_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
-def pack_to_folder(cfg, out: Path, workers: int, chunk_mb: float) -> dict:
+def pack_to_folder(cfg, out: Path, *options) -> dict:
     """Pack beside `out`, then rename: `out` appears whole or not at all."""
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"pack: {out} already exists and is not empty; choose a new folder or remove it")
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # what a stopped pack left
     partial.mkdir(parents=True)
-    meta = write_pack(cfg, partial, workers, chunk_mb)
+    meta = write_pack(cfg, partial, *options)
     if out.exists():
         out.rmdir()
     partial.rename(out)
     return meta
 
 
-def pack_to_bucket(cfg, url: str, workers: int, chunk_mb: float) -> dict:
+def pack_to_bucket(cfg, url: str, *options) -> dict:
     """Pack into a local temporary folder, then upload it with pack.json last."""
     store = shards.Store(url)
     if store.read(shards.PACK_FILE) is not None:
         raise ConfigError(f"pack: {store.url(shards.PACK_FILE)} exists; choose a new URL or delete that pack")
     with tempfile.TemporaryDirectory(prefix="pack-") as folder:
-        meta = write_pack(cfg, Path(folder), workers, chunk_mb)
+        meta = write_pack(cfg, Path(folder), *options)
         files = sorted(path for path in Path(folder).rglob("*") if path.is_file() and path.name != shards.PACK_FILE)
         print(f"uploading {len(files)} files to {url}", flush=True)
         for path in files:
@@ -114,9 +131,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with config.exit_on_user_error():
         cfg = config.load(args.config, args.overrides)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=None))  # pack the source data
         shards.require_litdata()
         pack = pack_to_bucket if shards.is_remote(args.out) else pack_to_folder
-        meta = pack(cfg, args.out if shards.is_remote(args.out) else Path(args.out), args.workers, args.chunk_mb)
+        out = args.out if shards.is_remote(args.out) else Path(args.out)
+        meta = pack(cfg, out, args.workers, args.chunk_mb, args.seed)
     counts = ", ".join(f"{split} {count}" for split, count in meta["records"].items())
     print(f"packed {counts} records into {args.out}; train on them with data.shards={args.out}")
     return 0

@@ -7,16 +7,18 @@
 
 A pack holds train/ and val/ in litdata's chunk format (chunks of ~64 MB: one file open per
 thousands of samples instead of one per sample) and pack.json, written last: a pack without it
-is unfinished and never trains. Record i of a split is record i of the set the pack command
-read, so shards sit behind the same samplers, mid-epoch resume and exact evaluation as any
-map-style dataset; the seam turns records into samples (`from_records` in data.py: decode,
-augment), and without one the records are the samples.
+is unfinished and never trains. Record i of a split, as a ShardSet reads it, is record i of the
+set the pack command read, so shards sit behind the same samplers, mid-epoch resume and exact
+evaluation as any map-style dataset; the seam turns records into samples (`from_records` in
+data.py: decode, augment), and without one the records are the samples. On disk the training
+records are in a seeded random order (train/order.npy: the record at each position), so that a
+chunk holds a random sample of the data, not one class or one stretch of text.
 
 From object storage, each node fetches the chunks its loaders reach into `data.shards_cache`,
-once per node (a file lock), and deletes the least recently used beyond `data.shards_cache_gb`;
-the training order goes chunk by chunk (loaders.ChunkOrderSampler), so a chunk is fetched once
-an epoch rather than once a sample. Credentials come from where boto3 looks for them (the
-AWS_* variables, ~/.aws, an instance role), never from the config.
+once per node (a file lock), and deletes the least recently used that nobody reads beyond
+`data.shards_cache_gb`; the training order goes chunk by chunk (loaders.ChunkOrderSampler), so a
+chunk is fetched once an epoch rather than once a sample. Credentials come from where boto3
+looks for them (the AWS_* variables, ~/.aws, an instance role), never from the config.
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ import bisect
 import fcntl
 import functools
 import hashlib
+import io
 import itertools
 import json
 import os
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from .rules import ConfigError
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 
 PACK_FILE = "pack.json"
 INDEX_FILE = "index.json"
+ORDER_FILE = "order.npy"  # in train/: the record each position holds
 SPLITS = ("train", "val")  # the (train, eval) pair of build_datasets, in that order
 INSTALL = "pip install -e '.[shards]'"
 PACK_COMMAND = "python -m {{ cookiecutter.package_name }}.pack"
@@ -71,14 +77,16 @@ def datasets(cfg: Config):
 
 def facts(cfg: Config) -> dict:
     """What the pack command recorded about the data (the seam's `pack_facts`: class names, ...)."""
-    return open_pack(cfg.data.shards).meta["facts"]
+    return read_meta(cfg.data.shards)["facts"]
 
 
-def train_chunk_sizes(cfg: Config) -> list[int] | None:
-    """Records per chunk of the training split when it is fetched from object storage, else None."""
+def train_chunks(cfg: Config) -> list[np.ndarray] | None:
+    """The training records each chunk holds when the pack is fetched from object storage, else None."""
     if cfg.data.shards is None or not is_remote(cfg.data.shards):
         return None
-    return [chunk["chunk_size"] for chunk in open_pack(cfg.data.shards).indexes["train"]["chunks"]]
+    pack = open_pack(cfg.data.shards)
+    sizes = [chunk["chunk_size"] for chunk in pack.indexes["train"]["chunks"]]
+    return np.split(pack.order, list(itertools.accumulate(sizes))[:-1])
 
 
 def is_remote(location: str) -> bool:
@@ -117,8 +125,15 @@ class Store:
             return {item["Key"].rsplit("/", 1)[-1] for page in pages for item in page.get("Contents", [])}
 
     def fetch(self, name: str, destination: Path) -> None:
-        with self._named_errors(name):
+        """Download a chunk during training; a failure is an error of the run, naming the chunk."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
             s3().download_file(self.bucket, self._key(name), str(destination))
+        except (BotoCoreError, ClientError) as err:
+            gone = isinstance(err, ClientError) and err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey")
+            why = "it was deleted after the run started; restore it or pack again" if gone else f"{err}"
+            raise RuntimeError(f"data.shards: cannot fetch {self.url(name)}: {why}") from None
 
     def put(self, source: Path, name: str) -> None:
         with self._named_errors(name):
@@ -160,11 +175,13 @@ class Pack:
     store: Store
     meta: dict  # pack.json
     indexes: dict  # split -> its index.json (litdata's: the chunks and the records each holds)
+    order: np.ndarray  # the training record at each position of train/
 
 
 @functools.cache
-def open_pack(location: str) -> Pack:
-    """The pack at `location`, checked: finished, every chunk present, the record counts as packed."""
+def read_meta(location: str) -> dict:
+    """pack.json: what a pack holds, and the proof that it was finished."""
+    require_litdata()  # a pack is of no use without it: say so before anything else fails
     store = Store(location)
     meta = store.read(PACK_FILE)
     if meta is None:
@@ -172,7 +189,13 @@ def open_pack(location: str) -> Pack:
             f"data.shards: {store.url(PACK_FILE)} does not exist, so {location} is not a finished pack; "
             f"write one with `{PACK_COMMAND} {location}`"
         )
-    meta, indexes = json.loads(meta), {}
+    return json.loads(meta)
+
+
+@functools.cache
+def open_pack(location: str) -> Pack:
+    """The pack at `location`, checked: finished, every chunk present, the record counts as packed."""
+    store, meta, indexes = Store(location), read_meta(location), {}
     for split in SPLITS:
         index = json.loads(store.read(f"{split}/{INDEX_FILE}") or "null")
         files = [chunk["filename"] for chunk in index["chunks"]] if index else [INDEX_FILE]
@@ -185,15 +208,22 @@ def open_pack(location: str) -> Pack:
         if sum(chunk["chunk_size"] for chunk in index["chunks"]) != meta["records"][split]:
             raise ConfigError(f"data.shards: {store.url(split)} holds other records than pack.json lists; pack again")
         indexes[split] = index
-    return Pack(store, meta, indexes)
+    order = np.load(io.BytesIO(store.read(f"train/{ORDER_FILE}") or b""))
+    if sorted(order.tolist()) != list(range(meta["records"]["train"])):
+        raise ConfigError(f"data.shards: {store.url(f'train/{ORDER_FILE}')} is not an order of the records; pack again")
+    return Pack(store, meta, indexes, order)
 
 
 class ShardSet(Dataset):
-    """One split of a pack as a map-style dataset: item i is record i."""
+    """One split of a pack as a map-style dataset: item i is record i of the set that was packed."""
 
     def __init__(self, pack: Pack, split: str, cache: ChunkCache | None):
         chunks = pack.indexes[split]["chunks"]
         self.starts = list(itertools.accumulate((chunk["chunk_size"] for chunk in chunks), initial=0))
+        self.positions = None  # where record i is stored; None: at position i
+        if split == "train":
+            self.positions = np.empty_like(pack.order)
+            self.positions[pack.order] = np.arange(len(pack.order))
         self.directory = cache.directory if cache else Path(pack.store.location) / split
         self.cache = cache
         self.stream = None  # litdata's reader, opened in the process that reads (a loader worker)
@@ -204,11 +234,12 @@ class ShardSet(Dataset):
     def __getitem__(self, index: int):
         if not 0 <= index < len(self):
             raise IndexError(f"record {index} of {len(self)}")
+        position = index if self.positions is None else int(self.positions[index])
         if self.stream is None:
             self.stream = require_litdata().StreamingDataset(str(self.directory))
         if self.cache is not None:
-            self.cache.hold(bisect.bisect_right(self.starts, index) - 1)
-        return self.stream[index]
+            self.cache.hold(bisect.bisect_right(self.starts, position) - 1)
+        return self.stream[position]
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "stream": None}
@@ -218,10 +249,16 @@ def chunk_cache(cfg: Config, pack: Pack, split: str) -> ChunkCache | None:
     """The node's cache for a split of a remote pack (None for a folder: it is read in place)."""
     if not pack.store.remote:
         return None
-    root = Path(cfg.data.shards_cache or Path.home() / ".cache" / "{{ cookiecutter.project_slug }}" / "shards")
+    root = Path(cfg.data.shards_cache or default_cache())
     # a pack written again at the same URL gets a new id, so no stale chunk is ever read
     name = hashlib.sha256(pack.store.location.encode()).hexdigest()[:16] + "-" + pack.meta["id"]
-    return ChunkCache(pack, split, root / name, int(cfg.data.shards_cache_gb * GIGABYTE))
+    return ChunkCache(pack, split, root, root / name, int(cfg.data.shards_cache_gb * GIGABYTE))
+
+
+def default_cache() -> Path:
+    """Node-local: the temporary directory ($TMPDIR, which SLURM sets per job on many clusters), not
+    a home directory on a shared filesystem."""
+    return Path(tempfile.gettempdir()) / f"{{ cookiecutter.project_slug }}-shards-{os.getuid()}"
 
 
 class ChunkCache:
@@ -229,9 +266,10 @@ class ChunkCache:
     folder (both splits) stays under `limit` bytes by deleting the least recently used chunks
     that no process of the node is reading (each reader holds a shared lock on its chunk)."""
 
-    def __init__(self, pack: Pack, split: str, root: Path, limit: int):
-        self.store, self.split, self.root, self.limit = pack.store, split, root, limit
-        self.files = [chunk["filename"] for chunk in pack.indexes[split]["chunks"]]
+    def __init__(self, pack: Pack, split: str, cache: Path, root: Path, limit: int):
+        self.store, self.split, self.cache, self.limit = pack.store, split, cache, limit
+        chunks = pack.indexes[split]["chunks"]
+        self.files, self.sizes = [chunk["filename"] for chunk in chunks], [chunk["chunk_bytes"] for chunk in chunks]
         self.directory = root / split
         self.directory.mkdir(parents=True, exist_ok=True)
         index = self.directory / INDEX_FILE
@@ -248,7 +286,7 @@ class ChunkCache:
         self.reading = open(path.with_name(path.name + ".readers"), "w")  # noqa: SIM115 (held until release)
         fcntl.flock(self.reading, fcntl.LOCK_SH)
         with locked(path):  # one process of the node fetches it; the others wait and read it
-            if path.exists():
+            if path.exists() and path.stat().st_size == self.sizes[chunk]:  # not one cut short by a crash
                 os.utime(path)  # most recently used: the last to be deleted
             else:
                 partial = path.with_name(f"{path.name}.{os.getpid()}.part")
@@ -263,9 +301,9 @@ class ChunkCache:
         self.held, self.reading = None, None
 
     def trim(self) -> None:
-        """Delete the least recently used chunks nobody reads until the cache fits its limit."""
-        with locked(self.root / "trim"):  # one process at a time: none stats a file another deletes
-            chunks = [(path.stat(), path) for path in self.root.glob("*/*.bin")]
+        """Delete the least recently used chunks nobody reads, of any pack, until the cache fits its limit."""
+        with locked(self.cache / "trim"):  # one process at a time: none stats a file another deletes
+            chunks = [(path.stat(), path) for path in self.cache.glob("*/*/*.bin")]
             size = sum(stat.st_size for stat, _ in chunks)
             for stat, path in sorted(chunks, key=lambda chunk: chunk[0].st_mtime):
                 if size <= self.limit:

@@ -139,7 +139,7 @@ def build(cfg: Config, info: DistInfo) -> Job:
         info, lambda: (task.build_model(cfg), shards.datasets(cfg))
     )
     workers = loaders.resolve_workers(cfg, cpus, info.local_world_size)
-    chunks = shards.train_chunk_sizes(cfg)
+    chunks = shards.train_chunks(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers, chunks)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
     model, eval_model = wrap(raw_model, cfg, info)

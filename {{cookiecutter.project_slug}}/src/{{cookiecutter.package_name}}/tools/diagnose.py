@@ -105,7 +105,7 @@ def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
     of the training loader, with the task's own loss."""
     train_set, eval_set = shards.datasets(cfg)
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, num_workers=0)
+    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0, shards.train_chunks(cfg))
     model.train()
     task.loss_sum(model, next(iter(train_loader))).backward()
     return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
