@@ -4,22 +4,25 @@
     python benchmarks/data.py --quick    # a minute: one round, few batches, the rule's worker count only
 
 Bakes a `task=image_classification` project, draws one tree of JPEGs (`shapes.write_tree`,
-`--tree-size` px) and packs that same tree with the project's pack command (`dataset.root=TREE`,
-`--chunk-mb` chunks, small so that the shuffled order crosses chunks as in a pack larger than one).
-2 ranks launched with torchrun read the training split through `shards.datasets` (the tree, or
-`data.shards=PACK`: the same decode and augmentation, bit for bit) behind a DistributedSampler,
-either only iterating the loader or running a small DDP training step per batch, with the
-worker rule's count (`workers_per_rank`) and a fixed `--fixed` count per rank. Settings are
-interleaved (every one once per round), so drifts in machine load hit all alike.
+`--tree-size` px) and packs that same tree with the project's pack command (`dataset.root=TREE`).
+The chunks are small (`--chunk-mb`) so that the pack, like any pack worth making, has many more
+chunks than litdata keeps mapped per reader (4). 2 ranks launched with torchrun read the training
+split through `shards.datasets` (the tree, or `data.shards=PACK`: the same decode and
+augmentation, bit for bit) in the project's training order (`loaders.train_sampler`: a global
+shuffle of the tree, the pack chunk by chunk as `data.shards_order: chunks` reads it), either
+only iterating the loader or running a small DDP training step per batch, with the worker rule's count (`workers_per_rank`) and a fixed `--fixed`
+count per rank. Settings are interleaved (every one once per round), so drifts in machine load
+hit all alike.
 
-Slow file opens (the rows "slow opens"): both files are on local disk, in the page cache. To
-stand for a network filesystem (NFS, Lustre, EFS: a metadata round trip per open), every
-`open()` of a file under the tree or the pack, in every process that reads (loader workers, or
-the rank itself with 0 workers), first sleeps `--open-latency-ms`. The sleep takes no CPU, as a
-network wait does not. The tree pays it per image (torchvision's loader opens each file), the
-pack per chunk that litdata (re)opens; the opens are counted, not assumed, and printed per image.
-Not simulated: directory listings and stats (paid once, when ImageFolder scans the tree before
-the timed window), and bandwidth (all bytes come from memory).
+Slow file opens (the rows "slow"): tree and pack are on local disk, in the page cache. To stand
+for a network filesystem (NFS, Lustre, EFS: a metadata round trip per open), every `open()` of a
+file under the tree or the pack, in every process that reads (loader workers, or the rank itself
+with 0 workers), first sleeps `--open-latency-ms`; the sleep takes no CPU, as a network wait does
+not. The tree pays it once per image (torchvision's loader opens each file), the pack once per
+chunk file that litdata opens or reopens; the opens are counted, not assumed, and printed per
+image. Not charged: directory listings (ImageFolder scans the tree before the timed window),
+litdata's stats of a chunk it switches to (an NFS client's attribute cache may answer those;
+this favours the pack), and bandwidth (every byte comes from memory).
 """
 
 from __future__ import annotations
@@ -62,17 +65,22 @@ def slow_opens(folders: list[str], latency_s: float, counts) -> None:
 def read(args) -> tuple[int, float]:
     """(images, seconds) of this rank's timed batches: read, or read and trained on."""
     import torch
-    from ddp_trainer import config, shards
-    from torch.utils.data import DataLoader, DistributedSampler
+    import torch.distributed as dist
+    from ddp_trainer import config, loaders, shards
+    from torch.utils.data import DataLoader
 
     overrides = [f"dataset.root={args.tree}", f"dataset.image_size={args.image_size}"]
     if args.source == "shards":
         overrides.append(f"data.shards={args.pack}")
-    train_set, _ = shards.datasets(config.load(None, overrides))
+    cfg = config.load(None, overrides)
+    train_set, _ = shards.datasets(cfg)
+    # the project's training order: a global shuffle of the tree, the pack chunk by chunk (data.shards_order)
+    sampler = loaders.train_sampler(train_set, cfg, dist.get_world_size(), dist.get_rank(), shards.train_chunks(cfg))
+    sampler.set_epoch(0)
     loader = DataLoader(
         train_set,
         batch_size=32,
-        sampler=DistributedSampler(train_set, drop_last=True),
+        sampler=sampler,
         num_workers=args.worker,
         persistent_workers=args.worker > 0,
         drop_last=True,
@@ -183,7 +191,7 @@ def main(argv=None) -> int:
     parser.add_argument("--open-latency-ms", type=float, default=2.0, help="the simulated wait of each file open")
     parser.add_argument("--image-size", type=int, default=112, help="side of the training crop")
     parser.add_argument("--tree-size", type=int, default=160, help="side of the drawn JPEGs")
-    parser.add_argument("--chunk-mb", type=float, default=1.0, help="the pack's chunk size")
+    parser.add_argument("--chunk-mb", type=float, default=0.25, help="the pack's chunk size")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     for hidden in ("--source", "--mode", "--tree", "--pack", "--out"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)

@@ -87,17 +87,19 @@ def test_data_shards_takes_a_folder_or_an_s3_url():
 
 
 def test_a_mid_epoch_resume_of_shards_on_another_world_size_or_order_names_why_and_what_to_do():
-    payload = {"world_size": 2, "batch_in_epoch": 3, "config": {"data": {"shards": "/data/packed"}}}
+    in_chunks = {"data": {"shards": "/data/packed", "shards_order": "chunks"}}
+    payload = {"world_size": 2, "batch_in_epoch": 3, "config": in_chunks}
     three = loaders.DistInfo(0, 0, 3, 3, torch.device("cpu"), "gloo")
     two = loaders.DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo")
-    problem = checkpoint.shards_resume_problem(payload, three, {"data": {"shards": "/data/packed"}})
+    problem = checkpoint.shards_resume_problem(payload, three, in_chunks)
     assert "written by 2 ranks" in problem and "this run has 3" in problem and "resume on 2 ranks" in problem
-    at_epoch_end = payload | {"batch_in_epoch": 0}
-    assert checkpoint.shards_resume_problem(at_epoch_end, three, {"data": {"shards": "/data/packed"}}) is None
-    # a folder's order is build_datasets's: switching between them mid-epoch is exact; object storage's is not
-    assert checkpoint.shards_resume_problem(payload, two, {"data": {"shards": None}}) is None
-    problem = checkpoint.shards_resume_problem(payload, two, {"data": {"shards": "s3://bucket/packed"}})
-    assert "with data.shards=/data/packed, and this run reads s3://bucket/packed" in problem
+    assert checkpoint.shards_resume_problem(payload | {"batch_in_epoch": 0}, three, in_chunks) is None  # epoch end
+    assert checkpoint.shards_resume_problem(payload, two, in_chunks) is None
+    problem = checkpoint.shards_resume_problem(payload, two, {"data": {"shards": None}})
+    assert "reading /data/packed chunk by chunk, and this run reads the records in one shuffle" in problem
+    # a shuffled pack's order is build_datasets's, sample for sample: switching between them mid-epoch is exact
+    shuffled = {"data": {"shards": "/data/packed", "shards_order": "shuffle"}}
+    assert checkpoint.shards_resume_problem(payload | {"config": shuffled}, two, {"data": {"shards": None}}) is None
 
 
 def pack(out, *overrides: str, env: dict | None = None, timeout: float = 120):

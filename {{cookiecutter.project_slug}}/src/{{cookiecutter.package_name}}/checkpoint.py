@@ -24,7 +24,6 @@ from torch import nn
 from . import dist
 from .dist import DistInfo
 from .rules import ConfigError
-from .shards import is_remote
 
 
 @dataclass
@@ -227,21 +226,21 @@ def model_mismatch(model: nn.Module, saved: dict) -> str | None:
 def shards_resume_problem(payload: dict, info: DistInfo, config: dict) -> str | None:
     """Why a run on packed shards cannot resume in the middle of the epoch it was written in, or None.
 
-    Each rank skips the records it has read this epoch in the epoch's order. That order is one
-    shuffle of the records on a folder (as without shards) and goes chunk by chunk from object
-    storage; each rank's part of it depends on the world size. Another world size, or another
-    kind of order, would read some records twice and others never.
+    Each rank skips the records it has read this epoch in the epoch's order: one shuffle of the
+    records (no shards, or data.shards_order=shuffle) or chunk by chunk through one pack. Each
+    rank's part of it depends on the world size. Another world size, or another order, would
+    read some records twice and others never.
     """
     if not payload["batch_in_epoch"]:
         return None
-    before, now = payload.get("config", {}).get("data", {}).get("shards"), config.get("data", {}).get("shards")
-    if order_of(before) != order_of(now):
+    before, now = order_of(payload.get("config", {})), order_of(config)
+    if before != now:
         return (
-            f"was written in the middle of an epoch with data.shards={before}, and this run reads {now}: its records "
-            f"come in another order; finish the epoch with data.shards={before}, or pass checkpoint.resume=never"
+            f"was written in the middle of an epoch reading {describe_order(before)}, and this run reads "
+            f"{describe_order(now)}; finish the epoch as it was written, or pass checkpoint.resume=never"
         )
     saved = payload.get("world_size", info.world_size)
-    if not now or saved == info.world_size:
+    if not config.get("data", {}).get("shards") or saved == info.world_size:
         return None
     return (
         f"was written by {saved} ranks in the middle of an epoch of data.shards, and this run has "
@@ -250,9 +249,14 @@ def shards_resume_problem(payload: dict, info: DistInfo, config: dict) -> str | 
     )
 
 
-def order_of(location: str | None) -> str | None:
-    """The training order data.shards gives: chunk by chunk for a pack in object storage, else one shuffle."""
-    return location if location and is_remote(location) else None
+def order_of(config: dict) -> str | None:
+    """The pack a run reads chunk by chunk (data.shards_order=chunks), or None for one shuffle of the records."""
+    data = config.get("data", {})
+    return data.get("shards") if data.get("shards") and data.get("shards_order", "chunks") == "chunks" else None
+
+
+def describe_order(pack: str | None) -> str:
+    return f"{pack} chunk by chunk" if pack else "the records in one shuffle (no data.shards, or shards_order=shuffle)"
 
 
 def changed_settings(saved: dict, current: dict, prefix: str = "") -> list[str]:

@@ -30,6 +30,7 @@ from .rules import ConfigError, PositiveFloat, PositiveInt, Rule
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
+ShardsOrder = Literal["chunks", "shuffle"]
 
 
 @contextmanager
@@ -100,6 +101,7 @@ class DataConfig:
     max_workers: PositiveInt = 8  # cap for num_workers=auto
     prefetch_factor: PositiveInt = 2  # batches each worker prepares ahead (only with workers > 0)
     shards: ShardsLocation = None  # packed shards (the pack command): a folder or s3:// URL; null: build_datasets
+    shards_order: ShardsOrder = "chunks"  # chunks: chunk by chunk, one open a chunk; shuffle: build_datasets' order
     shards_cache: str | None = None  # node-local folder caching s3:// shards; null: $TMPDIR/<project>-shards-<uid>
     shards_cache_gb: PositiveFloat = 50.0  # size the cache stays under (one chunk per loader worker at least)
 

@@ -14,11 +14,13 @@ data.py: decode, augment), and without one the records are the samples. On disk 
 records are in a seeded random order (train/order.npy: the record at each position), so that a
 chunk holds a random sample of the data, not one class or one stretch of text.
 
-From object storage, each node fetches the chunks its loaders reach into `data.shards_cache`,
-once per node (a file lock), and deletes the least recently used that nobody reads beyond
-`data.shards_cache_gb`; the training order goes chunk by chunk (loaders.ChunkOrderSampler), so a
-chunk is fetched once an epoch rather than once a sample. Credentials come from where boto3
-looks for them (the AWS_* variables, ~/.aws, an instance role), never from the config.
+The training order goes chunk by chunk (loaders.ChunkOrderSampler; data.shards_order=chunks), so
+a process opens, or fetches, a chunk once an epoch rather than once a sample;
+data.shards_order=shuffle keeps build_datasets' global shuffle, sample for sample. From object
+storage, each node fetches the chunks its loaders reach into `data.shards_cache`, once per node
+(a file lock), and deletes the least recently used that nobody reads beyond
+`data.shards_cache_gb`. Credentials come from where boto3 looks for them (the AWS_* variables,
+~/.aws, an instance role), never from the config.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from .rules import ConfigError
@@ -81,8 +84,8 @@ def facts(cfg: Config) -> dict:
 
 
 def train_chunks(cfg: Config) -> list[np.ndarray] | None:
-    """The training records each chunk holds when the pack is fetched from object storage, else None."""
-    if cfg.data.shards is None or not is_remote(cfg.data.shards):
+    """The training records each chunk holds, when the run reads chunk by chunk (data.shards_order), else None."""
+    if cfg.data.shards is None or cfg.data.shards_order != "chunks":
         return None
     pack = open_pack(cfg.data.shards)
     sizes = [chunk["chunk_size"] for chunk in pack.indexes["train"]["chunks"]]
@@ -198,7 +201,8 @@ def open_pack(location: str) -> Pack:
     store, meta, indexes = Store(location), read_meta(location), {}
     for split in SPLITS:
         index = json.loads(store.read(f"{split}/{INDEX_FILE}") or "null")
-        files = [chunk["filename"] for chunk in index["chunks"]] if index else [INDEX_FILE]
+        files = [chunk["filename"] for chunk in index["chunks"]] + ([ORDER_FILE] if split == "train" else [])
+        files = files if index else [INDEX_FILE]
         missing = sorted(set(files) - store.names(split)) if index else files
         if missing:
             raise ConfigError(
@@ -236,13 +240,26 @@ class ShardSet(Dataset):
             raise IndexError(f"record {index} of {len(self)}")
         position = index if self.positions is None else int(self.positions[index])
         if self.stream is None:
-            self.stream = require_litdata().StreamingDataset(str(self.directory))
+            # one record decoded a read: litdata's default decodes a window of them, 4x slower by the record
+            self.stream = require_litdata().StreamingDataset(str(self.directory), batch_decode=False)
         if self.cache is not None:
             self.cache.hold(bisect.bisect_right(self.starts, position) - 1)
-        return self.stream[position]
+        return owned(self.stream[position])
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "stream": None}
+
+
+def owned(record):
+    """The record with tensors and arrays of its own: litdata's views of the chunk's read-only bytes
+    must not reach a transform that writes in place."""
+    if isinstance(record, (torch.Tensor, np.ndarray)):
+        return record.copy() if isinstance(record, np.ndarray) else record.clone()
+    if isinstance(record, dict):
+        return {key: owned(value) for key, value in record.items()}
+    if isinstance(record, (list, tuple)):
+        return type(record)(owned(value) for value in record)
+    return record
 
 
 def chunk_cache(cfg: Config, pack: Pack, split: str) -> ChunkCache | None:

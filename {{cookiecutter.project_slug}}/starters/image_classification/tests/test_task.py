@@ -190,7 +190,8 @@ def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
     # packed (encoded JPEG bytes and labels), the same run again: the same crops, the same weights
     packed = tmp_path / "packed"
     run([sys.executable, "-m", f"{PACKAGE}.pack", str(packed), "--config", SMOKE_CONFIG, *TINY], timeout=120)
-    torchrun(*train_args(tmp_path, *overrides[1:], "run.name=shapes-shards", f"data.shards={packed}"), timeout=400)
+    in_order = ("run.name=shapes-shards", f"data.shards={packed}", "data.shards_order=shuffle")  # the tree's order
+    torchrun(*train_args(tmp_path, *overrides[1:], *in_order), timeout=400)
     tree_top1, shards_top1 = (
         [r["eval_top1"] for r in read_metrics(tmp_path / run) if "eval_top1" in r]
         for run in ("shapes", "shapes-shards")

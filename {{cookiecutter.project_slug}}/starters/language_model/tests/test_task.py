@@ -172,7 +172,7 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     command = [sys.executable, "-m", f"{PACKAGE}.pack", str(packed), "--config", SMOKE_CONFIG, *TINY, overrides[0]]
     subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, timeout=120, check=True)
     (tmp_path / "tokens" / "train.bin").unlink()
-    on_shards = [*overrides[1:-1], "run.name=lm-shards", f"data.shards={packed}"]
+    on_shards = [*overrides[1:-1], "run.name=lm-shards", f"data.shards={packed}", "data.shards_order=shuffle"]
     torchrun(*train_args(tmp_path, *on_shards), timeout=300)
     tokens_loss, shards_loss = (
         [r["eval_loss"] for r in read_metrics(tmp_path / run) if "eval_loss" in r] for run in ("lm", "lm-shards")
