@@ -10,9 +10,9 @@ chunks than litdata keeps mapped per reader (4). 2 ranks launched with torchrun 
 split through `shards.datasets` (the tree, or `data.shards=PACK`: the same decode and
 augmentation, bit for bit) in the project's training order (`loaders.train_sampler`: a global
 shuffle of the tree, the pack chunk by chunk as `data.shards_order: chunks` reads it), either
-only iterating the loader or running a small DDP training step per batch, with the worker rule's count (`workers_per_rank`) and a fixed `--fixed`
-count per rank. Settings are interleaved (every one once per round), so drifts in machine load
-hit all alike.
+only iterating the loader or running a small DDP training step per batch, with the worker
+rule's count (`workers_per_rank`) and a fixed `--fixed` count per rank. Settings are interleaved
+(every one once per round), so drifts in machine load hit all alike.
 
 Slow file opens (the rows "slow"): tree and pack are on local disk, in the page cache. To stand
 for a network filesystem (NFS, Lustre, EFS: a metadata round trip per open), every `open()` of a
