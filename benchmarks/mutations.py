@@ -84,8 +84,8 @@ MUTANTS = [
         "loader keeps the tail",
         "P8 drop_last in the loader",
         LOADERS,
-        "sampler=train_sampler, drop_last=True",
-        "sampler=train_sampler, drop_last=False",
+        "sampler=sampler, drop_last=True",
+        "sampler=sampler, drop_last=False",
     ),
     Mutant(
         "set_epoch not called",
