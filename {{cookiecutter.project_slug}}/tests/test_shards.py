@@ -133,19 +133,31 @@ def test_a_pack_holds_the_records_of_build_datasets_in_order(packed):
 @pytest.mark.slow
 @needs_litdata
 def test_a_stopped_pack_leaves_no_pack_behind_and_the_next_one_finishes(tmp_path):
-    out = tmp_path / "packed"
+    out, partial = tmp_path / "packed", tmp_path / "packed.partial"
     command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG, "--chunk-mb", "0.002"]
-    job = subprocess.Popen(command, cwd=PROJECT, env=project_env(), start_new_session=True, stdout=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: any((tmp_path / "packed.partial").rglob("*.bin")), timeout=60)
-        os.killpg(job.pid, signal.SIGKILL)
-    finally:
-        job.wait(timeout=30)
-    assert not out.exists()  # only packed.partial, which the next pack replaces
+    for stop in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C in a terminal; a killed job
+        job = subprocess.Popen(
+            command,
+            cwd=PROJECT,
+            env=project_env(),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            wait_for(lambda: any(partial.rglob("*.bin")), timeout=60)
+            os.killpg(job.pid, stop)
+            _, stderr = job.communicate(timeout=60)
+        finally:
+            job.kill()
+        assert not out.exists()
+        if stop == signal.SIGINT:  # told, and cleaned up
+            assert job.returncode == 130 and f"pack stopped; nothing was written to {out}" in stderr.decode()
+            assert not partial.exists()
     result = run([sys.executable, *train_args(tmp_path, f"data.shards={out}")], check=False, timeout=60)
     assert result.returncode == 2 and "is not a finished pack" in result.stderr
-    pack(out)
-    assert (out / "pack.json").exists() and not (tmp_path / "packed.partial").exists()
+    pack(out)  # replaces what the killed one left
+    assert (out / "pack.json").exists() and not partial.exists()
 
 
 @pytest.mark.slow

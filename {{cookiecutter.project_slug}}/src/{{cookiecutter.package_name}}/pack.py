@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -36,7 +36,7 @@ from .rules import ConfigError
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", help="a folder that does not exist yet, or an s3:// URL")
+    parser.add_argument("out", help="a folder that does not exist yet (or is empty), or an s3:// URL")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. dataset.root=/data/images")
     parser.add_argument("--config", default="configs/default.yaml", help="YAML file with the dataset's settings")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes that pack")
@@ -63,7 +63,6 @@ def build_records(cfg):
 
 def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> dict:
     """The shards of both sets in `folder`, then pack.json; returns pack.json's content."""
-    litdata = shards.require_litdata()
     records = dict(zip(shards.SPLITS, build_records(cfg), strict=True))
     if hasattr(records["train"], "set_epoch"):
         print(
@@ -73,17 +72,8 @@ def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> d
     order = np.random.default_rng(seed).permutation(len(records["train"]))
     for split, dataset in records.items():
         print(f"packing {split}: {len(dataset)} records", flush=True)
-        litdata.optimize(
-            fn=RecordAt(dataset),
-            inputs=order.tolist() if split == "train" else list(range(len(dataset))),
-            output_dir=str(folder / split),
-            chunk_bytes=int(chunk_mb * 1024**2),
-            num_workers=max(1, min(workers, len(dataset))),
-            keep_data_ordered=True,  # the record at position j is inputs[j]
-            reorder_files=False,
-            verbose=True,
-        )
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # litdata's handler exits 0 on Ctrl-C
+        inputs = order.tolist() if split == "train" else list(range(len(dataset)))
+        pack_split(dataset, inputs, folder / split, int(chunk_mb * 1024**2), max(1, min(workers, len(dataset))))
     np.save(folder / "train" / shards.ORDER_FILE, order)
     facts = getattr(task, "pack_facts", None)
     meta = {
@@ -98,6 +88,40 @@ def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> d
     return meta
 
 
+def pack_split(records, inputs: list[int], folder: Path, chunk_bytes: int, workers: int) -> None:
+    """litdata's optimize, writing records[inputs[j]] at position j, in a process of its own: on
+    Ctrl-C its handler ends the process it runs in with exit code 0, which here would pass for a
+    finished pack."""
+    packing = multiprocessing.get_context("spawn").Process(
+        target=optimize, args=(RecordAt(records), inputs, folder, chunk_bytes, workers)
+    )
+    packing.start()
+    try:
+        packing.join()
+    except KeyboardInterrupt:
+        packing.join()
+        raise
+    if packing.exitcode != 0 or not (folder / shards.INDEX_FILE).exists():
+        raise PackStopped(f"packing {folder.name} stopped (exit code {packing.exitcode})")
+
+
+def optimize(fn: RecordAt, inputs: list[int], folder: Path, chunk_bytes: int, workers: int) -> None:
+    shards.require_litdata().optimize(
+        fn=fn,
+        inputs=inputs,
+        output_dir=str(folder),
+        chunk_bytes=chunk_bytes,
+        num_workers=workers,
+        keep_data_ordered=True,  # the record at position j is inputs[j]
+        reorder_files=False,
+        verbose=True,
+    )
+
+
+class PackStopped(Exception):
+    """The pack did not finish; nothing was written where it was going."""
+
+
 def pack_to_folder(cfg, out: Path, *options) -> dict:
     """Pack beside `out`, then rename: `out` appears whole or not at all."""
     if out.exists() and any(out.iterdir()):
@@ -105,7 +129,11 @@ def pack_to_folder(cfg, out: Path, *options) -> dict:
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)  # what a stopped pack left
     partial.mkdir(parents=True)
-    meta = write_pack(cfg, partial, *options)
+    try:
+        meta = write_pack(cfg, partial, *options)
+    except BaseException:  # a config error, Ctrl-C: no half-written folder stays behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if out.exists():
         out.rmdir()
     partial.rename(out)
@@ -130,12 +158,18 @@ def pack_to_bucket(cfg, url: str, *options) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     with config.exit_on_user_error():
+        if "://" in args.out and not shards.is_remote(args.out):
+            raise ConfigError(f"pack: {args.out}: write to a folder or an s3:// URL")
         cfg = config.load(args.config, args.overrides)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=None))  # pack the source data
         shards.require_litdata()
         pack = pack_to_bucket if shards.is_remote(args.out) else pack_to_folder
         out = args.out if shards.is_remote(args.out) else Path(args.out)
-        meta = pack(cfg, out, args.workers, args.chunk_mb, args.seed)
+        try:
+            meta = pack(cfg, out, args.workers, args.chunk_mb, args.seed)
+        except (KeyboardInterrupt, PackStopped) as stop:
+            sys.stderr.write(f"pack stopped{f': {stop}' if str(stop) else ''}; nothing was written to {args.out}\n")
+            return 130 if isinstance(stop, KeyboardInterrupt) else 1
     counts = ", ".join(f"{split} {count}" for split, count in meta["records"].items())
     print(f"packed {counts} records into {args.out}; train on them with data.shards={args.out}")
     return 0

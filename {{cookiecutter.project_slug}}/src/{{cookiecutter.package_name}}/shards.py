@@ -190,7 +190,7 @@ def read_meta(location: str) -> dict:
     if meta is None:
         raise ConfigError(
             f"data.shards: {store.url(PACK_FILE)} does not exist, so {location} is not a finished pack; "
-            f"write one with `{PACK_COMMAND} {location}`"
+            f"write one with `{PACK_COMMAND} {location}` and the dataset settings of the data to pack"
         )
     return json.loads(meta)
 
@@ -206,8 +206,8 @@ def open_pack(location: str) -> Pack:
         missing = sorted(set(files) - store.names(split)) if index else files
         if missing:
             raise ConfigError(
-                f"data.shards: {store.url(f'{split}/{missing[0]}')} is missing ({len(missing)} of {split}/'s "
-                f"{len(files)} files); restore it or pack again with `{PACK_COMMAND} NEW_LOCATION`"
+                f"data.shards: {store.url(f'{split}/{missing[0]}')} is missing ({len(missing)} of the pack's "
+                f"{len(files)} files in {split}/); restore it or pack again with `{PACK_COMMAND} NEW_LOCATION`"
             )
         if sum(chunk["chunk_size"] for chunk in index["chunks"]) != meta["records"][split]:
             raise ConfigError(f"data.shards: {store.url(split)} holds other records than pack.json lists; pack again")
