@@ -68,6 +68,7 @@ def test_a_run_that_never_packs_imports_neither_litdata_nor_boto3():
     assert run([sys.executable, "-c", code], timeout=60).stdout.strip() == "[]"
 
 
+@needs_litdata
 def test_a_folder_without_pack_json_is_one_config_error_naming_the_pack_command(tmp_path):
     (tmp_path / "train").mkdir()
     with pytest.raises(ConfigError, match=f"{tmp_path}/pack.json does not exist.*python -m {PACKAGE}.pack"):

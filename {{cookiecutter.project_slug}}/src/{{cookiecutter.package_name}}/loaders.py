@@ -35,12 +35,12 @@ class ResumableSampler(DistributedSampler):
 
 
 class ChunkOrderSampler(ResumableSampler):
-    """ResumableSampler for shards fetched from object storage: each epoch shuffles the order of
-    the chunks and the records within each chunk, then gives each rank a consecutive part of that
-    order, so a rank's loader workers read chunk after chunk (each fetched once an epoch) instead
-    of one record from anywhere. The order depends on the seed and the epoch only, not on the
-    world size; like DistributedSampler(drop_last=True), the last len % world records rest.
-    `chunks` lists the dataset indices each chunk holds."""
+    """ResumableSampler for packed shards (data.shards_order=chunks): each epoch shuffles the order
+    of the chunks and the records within each chunk, then gives each rank a consecutive part of
+    that order, so a rank's loader workers read chunk after chunk (each opened, or fetched from
+    object storage, once an epoch) instead of one record from anywhere. The order depends on the
+    seed and the epoch only, not on the world size; like DistributedSampler(drop_last=True), the
+    last len % world records rest. `chunks` lists the dataset indices each chunk holds."""
 
     def __init__(self, dataset: Dataset, chunks: list, **kwargs):
         super().__init__(dataset, drop_last=True, **kwargs)
@@ -70,7 +70,7 @@ def resolve_workers(cfg: Config, cpus: int, local_world_size: int) -> int:
 
 def train_sampler(train_set: Dataset, cfg: Config, world_size: int, rank: int, chunks: list | None = None):
     """The training order: shuffled anew each epoch, or chunk by chunk when `chunks` (the indices
-    each chunk of shards in object storage holds) are given."""
+    each chunk of a pack holds) are given."""
     ranks = dict(num_replicas=world_size, rank=rank, seed=cfg.run.seed)
     if chunks is None:
         return ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
