@@ -2,6 +2,7 @@
 in the slow tier the pack command, exact resume and evaluation, the proofs and the smoke check
 on shards, and object storage against an S3-compatible server started here on loopback."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,34 +156,113 @@ def test_training_on_shards_chunk_by_chunk_reaches_the_result_of_training_on_bui
     assert finals["shards"] == pytest.approx(finals["source"], abs=0.05), finals  # 0.833 and 0.817 here
 
 
-@pytest.mark.slow
-@needs_litdata
-def test_a_stopped_pack_leaves_no_pack_behind_and_the_next_one_finishes(tmp_path):
-    out, partial = tmp_path / "packed", tmp_path / "packed.partial"
-    command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG, "--chunk-mb", "0.002"]
-    for stop in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C in a terminal; a killed job
-        job = subprocess.Popen(
+LINGER_SECONDS = 3  # how long a process the pack command started may outlive it
+
+
+class PackJob:
+    """The pack command started as in a terminal (a process group of its own), on a pack large
+    enough to stop at any point: many small chunks, one packing worker. Every process it starts
+    carries a marker in its environment, so the test finds them wherever they end up."""
+
+    STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C; a scheduler's stop; a closed terminal
+
+    def __init__(self, out: Path):
+        self.out, self.partial, self.marker = out, out.with_name(out.name + ".partial"), f"PACK_JOB={out}"
+        command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG]
+        command += ["--chunk-mb", "0.002", "--workers", "1"]
+        self.process = subprocess.Popen(
             command,
             cwd=PROJECT,
-            env=project_env(),
+            env=project_env(PACK_JOB=str(out)),
             start_new_session=True,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            text=True,
         )
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.readers = [
+            threading.Thread(target=lambda: self.stdout.extend(self.process.stdout), daemon=True),
+            threading.Thread(target=lambda: self.stderr.append(self.process.stderr.read()), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def processes(self) -> list[int]:
+        """The processes alive (zombies aside) that this pack started, the command included."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if entry.name.isdigit() and self.marker.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+        return found
+
+    def chunks(self, split: str) -> bool:
+        return any((self.partial / split).glob("*.bin"))
+
+    def stop_when(self, reached, sig: int) -> tuple[int, str]:
+        """Send `sig` to the command's group once `reached()`, as a terminal or a scheduler does;
+        (exit code, stderr) once the command has exited, and after at most LINGER_SECONDS more
+        for the processes it started (the test then counts those still alive)."""
         try:
-            wait_for(lambda: any(partial.rglob("*.bin")), timeout=60)
-            os.killpg(job.pid, stop)
-            _, stderr = job.communicate(timeout=60)
+            wait_for(reached, timeout=120)
+            os.killpg(self.process.pid, sig)
+            self.process.wait(timeout=60)
         finally:
-            job.kill()
-        assert not out.exists()
-        if stop == signal.SIGINT:  # told, and cleaned up
-            assert job.returncode == 130 and f"pack stopped; nothing was written to {out}" in stderr.decode()
-            assert not partial.exists()
+            self.process.kill()
+        deadline = time.monotonic() + LINGER_SECONDS
+        for reader in self.readers:  # their output ends when the last process holding it has ended
+            reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        return self.process.returncode, "".join(self.stderr)
+
+
+# the points of a pack where a stop lands: what the test waits for before sending it
+STOP_POINTS = {
+    "before the first chunk": lambda job: len(job.processes()) > 1 and not job.chunks("train"),  # the packer is up
+    "mid-train": lambda job: job.chunks("train"),
+    "between the splits": lambda job: any(line.startswith("packing val") for line in job.stdout),
+    "mid-eval": lambda job: job.chunks("val"),
+}
+# each point is stopped this many times, each time by the next of INT, TERM and HUP; before a
+# release, or after a change to how pack ends, run more: PACK_STOP_ROUNDS=9
+PACK_STOP_ROUNDS = int(os.environ.get("PACK_STOP_ROUNDS", "3"))
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_a_pack_stopped_at_any_point_exits_with_its_status_one_line_and_no_process_left(tmp_path):
+    failures = []
+    for round_ in range(PACK_STOP_ROUNDS):
+        for index, (point, reached) in enumerate(STOP_POINTS.items()):
+            sig = PackJob.STOPS[(round_ + index) % len(PackJob.STOPS)]
+            job = PackJob(tmp_path / f"{round_}-{index}" / "packed")
+            code, stderr = job.stop_when(lambda job=job, reached=reached: reached(job), sig)
+            expected = f"pack stopped by {signal.Signals(sig).name}; nothing was written to {job.out}\n"
+            problems = [
+                f"exit {code}, not {128 + sig}" if code != 128 + sig else "",
+                f"stderr ends {stderr[-300:]!r}" if not stderr.endswith(expected) or stderr.count(expected) != 1 else "",
+                "what the stopped processes print" if any(s in stderr for s in ("Traceback", "leaked", "Interrupt")) else "",
+                "the pack's folders are left" if job.out.exists() or job.partial.exists() else "",
+                f"processes left: {job.processes()}" if job.processes() else "",
+            ]
+            problems = [problem for problem in problems if problem]
+            if problems:
+                failures.append(f"{signal.Signals(sig).name} {point}: {'; '.join(problems)}")
+    assert not failures, f"{len(failures)} of {PACK_STOP_ROUNDS * len(STOP_POINTS)} stops:\n" + "\n".join(failures)
+
+
+@pytest.mark.slow
+@needs_litdata
+def test_a_pack_killed_outright_leaves_no_process_and_the_next_one_finishes(tmp_path):
+    out = tmp_path / "packed"
+    job = PackJob(out)
+    # while the packer starts (silent: nothing tells it the command is gone but the kernel)
+    code, _ = job.stop_when(lambda: STOP_POINTS["before the first chunk"](job), signal.SIGKILL)
+    assert code == -signal.SIGKILL and not job.processes() and not out.exists()
     result = run([sys.executable, *train_args(tmp_path, f"data.shards={out}")], check=False, timeout=60)
     assert result.returncode == 2 and "is not a finished pack" in result.stderr
     pack(out)  # replaces what the killed one left
-    assert (out / "pack.json").exists() and not partial.exists()
+    assert (out / "pack.json").exists() and not job.partial.exists()
 
 
 @pytest.mark.slow

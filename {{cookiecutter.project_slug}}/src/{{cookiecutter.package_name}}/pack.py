@@ -9,32 +9,30 @@ processes: the evaluation records in order, the training records in a random ord
 --seed and kept in OUT/train/order.npy, so that each chunk holds a random sample of them (a
 dataset sorted by class or a text in order would otherwise give chunks of one class or one
 passage, and a run reading chunk by chunk from object storage batches of them). pack.json, with
-what the seam's pack_facts(cfg) returns (class names, a vocabulary size), is written last: a
-pack that was stopped part-way is left aside (a folder) or never finished (a URL), and training
-refuses it. See the README's "Data at scale".
+what the seam's pack_facts(cfg) returns (class names, a vocabulary size), is written last.
+
+The packing runs in a process of its own (packer.py) in a session of its own, and this command
+stays with it: a stop (Ctrl-C, TERM, HUP) at any moment ends the packer and every process it
+started, removes what it wrote and exits 130, 143 or 129 after one line; OUT gets nothing (a
+folder is packed into OUT.partial and renamed at the end; a URL gets pack.json last, and
+training refuses a pack without it). See the README's "Data at scale".
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
-import time
-import uuid
 from pathlib import Path
 
-import numpy as np
+from . import processes
 
-from . import config, shards, task
-from .rules import ConfigError
+PARTIAL_SUFFIX = ".partial"  # a folder is packed beside OUT, then renamed to OUT
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="a folder that does not exist yet (or is empty), or an s3:// URL")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. dataset.root=/data/images")
@@ -42,137 +40,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes that pack")
     parser.add_argument("--chunk-mb", type=float, default=64.0, help="chunk size in MB (litdata's default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="draws the order of the training records on disk")
-    return parser.parse_intermixed_args(argv)
+    return parser
 
 
-class RecordAt:
-    """Record i of a set; pickled to litdata's packing processes."""
-
-    def __init__(self, records):
-        self.records = records
-
-    def __call__(self, index: int):
-        return self.records[index]
+def is_url(out: str) -> bool:
+    return "://" in out
 
 
-def build_records(cfg):
-    """(train, eval) sets of what is stored: the seam's raw records, or the samples themselves."""
-    build = getattr(task, "build_records", None)
-    return build(cfg) if build else task.build_datasets(cfg)
-
-
-def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> dict:
-    """The shards of both sets in `folder`, then pack.json; returns pack.json's content."""
-    records = dict(zip(shards.SPLITS, build_records(cfg), strict=True))
-    if hasattr(records["train"], "set_epoch"):
-        print(
-            "warning: the training set has set_epoch, so its samples change each epoch, and a pack keeps one draw of "
-            "them: define build_records and from_records in data.py to pack the records before augmentation"
-        )
-    order = np.random.default_rng(seed).permutation(len(records["train"]))
-    for split, dataset in records.items():
-        print(f"packing {split}: {len(dataset)} records", flush=True)
-        inputs = order.tolist() if split == "train" else list(range(len(dataset)))
-        pack_split(dataset, inputs, folder / split, int(chunk_mb * 1024**2), max(1, min(workers, len(dataset))))
-    np.save(folder / "train" / shards.ORDER_FILE, order)
-    facts = getattr(task, "pack_facts", None)
-    meta = {
-        "id": uuid.uuid4().hex[:12],
-        "records": {split: len(dataset) for split, dataset in records.items()},
-        "facts": facts(cfg) if facts else {},
-        "dataset": config.to_dict(cfg)["dataset"],
-        "seed": seed,
-        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    (folder / shards.PACK_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-def pack_split(records, inputs: list[int], folder: Path, chunk_bytes: int, workers: int) -> None:
-    """litdata's optimize, writing records[inputs[j]] at position j, in a process of its own: on
-    Ctrl-C its handler ends the process it runs in with exit code 0, which here would pass for a
-    finished pack."""
-    packing = multiprocessing.get_context("spawn").Process(
-        target=optimize, args=(RecordAt(records), inputs, folder, chunk_bytes, workers)
-    )
-    packing.start()
-    try:
-        packing.join()
-    except KeyboardInterrupt:
-        packing.join()
-        raise
-    if packing.exitcode != 0 or not (folder / shards.INDEX_FILE).exists():
-        raise PackStopped(f"packing {folder.name} stopped (exit code {packing.exitcode})")
-
-
-def optimize(fn: RecordAt, inputs: list[int], folder: Path, chunk_bytes: int, workers: int) -> None:
-    shards.require_litdata().optimize(
-        fn=fn,
-        inputs=inputs,
-        output_dir=str(folder),
-        chunk_bytes=chunk_bytes,
-        num_workers=workers,
-        keep_data_ordered=True,  # the record at position j is inputs[j]
-        reorder_files=False,
-        verbose=True,
-    )
-
-
-class PackStopped(Exception):
-    """The pack did not finish; nothing was written where it was going."""
-
-
-def pack_to_folder(cfg, out: Path, *options) -> dict:
-    """Pack beside `out`, then rename: `out` appears whole or not at all."""
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"pack: {out} already exists and is not empty; choose a new folder or remove it")
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # what a stopped pack left
-    partial.mkdir(parents=True)
-    try:
-        meta = write_pack(cfg, partial, *options)
-    except BaseException:  # a config error, Ctrl-C: no half-written folder stays behind
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
-    return meta
-
-
-def pack_to_bucket(cfg, url: str, *options) -> dict:
-    """Pack into a local temporary folder, then upload it with pack.json last."""
-    store = shards.Store(url)
-    if store.read(shards.PACK_FILE) is not None:
-        raise ConfigError(f"pack: {store.url(shards.PACK_FILE)} exists; choose a new URL or delete that pack")
-    with tempfile.TemporaryDirectory(prefix="pack-") as folder:
-        meta = write_pack(cfg, Path(folder), *options)
-        files = sorted(path for path in Path(folder).rglob("*") if path.is_file() and path.name != shards.PACK_FILE)
-        print(f"uploading {len(files)} files to {url}", flush=True)
-        for path in files:
-            store.put(path, str(path.relative_to(folder)))
-        store.put(Path(folder) / shards.PACK_FILE, shards.PACK_FILE)
-    return meta
+def staging(out: str, workdir: Path) -> Path:
+    """Where the packer writes the pack before it is put in place: beside a folder (a rename then
+    makes it appear whole), or in this pack's work folder for a URL (uploaded from there)."""
+    if is_url(out):
+        return workdir / "pack"
+    return Path(out).with_name(Path(out).name + PARTIAL_SUFFIX)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    with config.exit_on_user_error():
-        if "://" in args.out and not shards.is_remote(args.out):
-            raise ConfigError(f"pack: {args.out}: write to a folder or an s3:// URL")
-        cfg = config.load(args.config, args.overrides)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=None))  # pack the source data
-        shards.require_litdata()
-        pack = pack_to_bucket if shards.is_remote(args.out) else pack_to_folder
-        out = args.out if shards.is_remote(args.out) else Path(args.out)
-        try:
-            meta = pack(cfg, out, args.workers, args.chunk_mb, args.seed)
-        except (KeyboardInterrupt, PackStopped) as stop:
-            sys.stderr.write(f"pack stopped{f': {stop}' if str(stop) else ''}; nothing was written to {args.out}\n")
-            return 130 if isinstance(stop, KeyboardInterrupt) else 1
-    counts = ", ".join(f"{split} {count}" for split, count in meta["records"].items())
-    print(f"packed {counts} records into {args.out}; train on them with data.shards={args.out}")
-    return 0
+    stop = processes.StopSignals()  # first: a stop at any moment ends with one line and its status
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_intermixed_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="pack-"))  # this pack's alone: litdata's caches, a URL's staging
+    stage = staging(args.out, workdir)
+    command, env = processes.module_command(
+        f"{__package__}.packer", *argv, "--stage", str(stage), "--workdir", str(workdir)
+    )
+    try:
+        code = processes.run_child(command, stop, env=env)
+    except processes.Stopped as stopped:
+        sys.stderr.write(f"pack stopped by {stopped}; {left_behind(args.out)}\n")
+        return stopped.exit_code
+    finally:
+        if not is_url(args.out):
+            shutil.rmtree(stage, ignore_errors=True)  # what a stop or a failure left; a finished pack was renamed
+        shutil.rmtree(workdir, ignore_errors=True)
+    if code in (0, 2):  # 2: a config error, which the packer said in one line
+        return code
+    sys.stderr.write(f"pack failed (exit code {code}); {left_behind(args.out)}\n")
+    return 1
+
+
+def left_behind(out: str) -> str:
+    if is_url(out):
+        return f"{out} has no pack.json: training refuses what was uploaded, and packing to it again replaces it"
+    return f"nothing was written to {out}"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import config, dist, loaders, records, shards, task
+from .. import config, dist, loaders, processes, records, shards, task
 from ..config import Config
 from ..dist import DistInfo, cpus_available
 from . import checks, hardware, launch
@@ -119,9 +119,20 @@ def load_model_factory(spec: str | None):
     return getattr(importlib.import_module(module), function)
 
 
-def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int, out_dir: str | None = None) -> dict:
+# torchrun, told to stop (TERM), gives its workers 30 s before it kills them: allow it that long
+TORCHRUN_GRACE_SECONDS = 40
+
+
+class ScalingRunFailed(Exception):
+    """A scaling run exited non-zero; its own output says why."""
+
+
+def scaling(
+    cfg_path: str, overrides: list[str], nproc: int, steps: int, stop: processes.StopSignals, out_dir: str | None = None
+) -> dict:
     """Train `steps` steps on 1 process and on `nproc`, then compare steady-state throughput and
-    the split of a step's time. The runs are kept in out_dir (scale1/, scaleN/) when given."""
+    the split of a step's time. The runs are kept in out_dir (scale1/, scaleN/) when given. Each
+    run is a child of ours (processes.run_child): a stop signal ends it and raises Stopped."""
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         out = out_dir or scratch
@@ -146,7 +157,11 @@ def scaling(cfg_path: str, overrides: list[str], nproc: int, steps: int, out_dir
                 f"checkpoint.every_steps={steps}",
                 "train.epochs=1000",
             ]
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=_threads_env(n))
+            code = processes.run_child(
+                command, stop, env=_threads_env(n), grace=TORCHRUN_GRACE_SECONDS, stdout=subprocess.DEVNULL
+            )
+            if code != 0:
+                raise ScalingRunFailed(f"the scaling run on {n} process(es) failed (exit code {code}); see its output above")
             logged = records.read(Path(out) / f"scale{n}" / "metrics.jsonl")
             steady = records.of_kind(logged, records.TRAIN)[1:]  # the first window holds start-up costs
             keys = ("samples_per_s", "data_wait_share", "step_ms", *SPLIT)
@@ -228,7 +243,15 @@ def main(argv=None) -> int:
         print("\n".join(f"  {name}" for name in names))
         return 1
     nproc = args.nproc or torch.cuda.device_count() or 2
-    print(scaling_report(scaling(args.config, args.overrides, nproc, args.steps, args.out), nproc))
+    try:
+        results = scaling(args.config, args.overrides, nproc, args.steps, processes.StopSignals(), args.out)
+    except processes.Stopped as stopped:
+        sys.stderr.write(f"diagnose scaling stopped by {stopped}\n")
+        return stopped.exit_code
+    except ScalingRunFailed as err:
+        sys.stderr.write(f"diagnose scaling: {err}\n")
+        return 1
+    print(scaling_report(results, nproc))
     if args.out:
         print(f"runs kept: python -m {__package__}.report {args.out}/scale1 {args.out}/scale{nproc}")
     return 0
