@@ -237,18 +237,25 @@ def test_a_pack_stopped_at_any_point_exits_with_its_status_one_line_and_no_proce
             sig = PackJob.STOPS[(round_ + index) % len(PackJob.STOPS)]
             job = PackJob(tmp_path / f"{round_}-{index}" / "packed")
             code, stderr = job.stop_when(lambda job=job, reached=reached: reached(job), sig)
-            expected = f"pack stopped by {signal.Signals(sig).name}; nothing was written to {job.out}\n"
-            problems = [
-                f"exit {code}, not {128 + sig}" if code != 128 + sig else "",
-                f"stderr ends {stderr[-300:]!r}" if not stderr.endswith(expected) or stderr.count(expected) != 1 else "",
-                "what the stopped processes print" if any(s in stderr for s in ("Traceback", "leaked", "Interrupt")) else "",
-                "the pack's folders are left" if job.out.exists() or job.partial.exists() else "",
-                f"processes left: {job.processes()}" if job.processes() else "",
-            ]
-            problems = [problem for problem in problems if problem]
+            problems = stop_problems(job, sig, code, stderr)
             if problems:
                 failures.append(f"{signal.Signals(sig).name} {point}: {'; '.join(problems)}")
     assert not failures, f"{len(failures)} of {PACK_STOP_ROUNDS * len(STOP_POINTS)} stops:\n" + "\n".join(failures)
+
+
+def stop_problems(job: PackJob, sig: int, code: int, stderr: str) -> list[str]:
+    """What is wrong with how a stopped pack ended: its status, its last line, what the stopped
+    processes printed, what it left on disk and in the process table."""
+    line = f"pack stopped by {signal.Signals(sig).name}; nothing was written to {job.out}\n"
+    noise = [sign for sign in ("Traceback", "Interrupt", "leaked") if sign in stderr]
+    checks = {
+        f"exit {code}, not {128 + sig}": code == 128 + sig,
+        f"stderr ends {stderr[-300:]!r}": stderr.endswith(line) and stderr.count(line) == 1,
+        f"stderr holds {noise}": not noise,
+        "the pack's folders are left": not job.out.exists() and not job.partial.exists(),
+        f"processes left: {job.processes()}": not job.processes(),
+    }
+    return [problem for problem, holds in checks.items() if not holds]
 
 
 @pytest.mark.slow

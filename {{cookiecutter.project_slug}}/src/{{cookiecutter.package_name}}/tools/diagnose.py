@@ -161,7 +161,7 @@ def scaling(
                 command, stop, env=_threads_env(n), grace=TORCHRUN_GRACE_SECONDS, stdout=subprocess.DEVNULL
             )
             if code != 0:
-                raise ScalingRunFailed(f"the scaling run on {n} process(es) failed (exit code {code}); see its output above")
+                raise ScalingRunFailed(f"the run on {n} process(es) failed (exit code {code}); its output is above")
             logged = records.read(Path(out) / f"scale{n}" / "metrics.jsonl")
             steady = records.of_kind(logged, records.TRAIN)[1:]  # the first window holds start-up costs
             keys = ("samples_per_s", "data_wait_share", "step_ms", *SPLIT)
