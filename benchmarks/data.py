@@ -7,7 +7,7 @@ Bakes a `task=image_classification` project, draws one tree of JPEGs (`shapes.wr
 `--tree-size` px) and packs that same tree with the project's pack command (`dataset.root=TREE`).
 The chunks are small (`--chunk-mb`) so that the pack, like any pack worth making, has many more
 chunks than litdata keeps mapped per reader (4). 2 ranks launched with torchrun read the training
-split through `shards.datasets` (the tree, or `data.shards=PACK`: the same decode and
+split through `loaders.datasets` (the tree, or `data.shards=PACK`: the same decode and
 augmentation, bit for bit) in the project's training order (`loaders.train_sampler`: a global
 shuffle of the tree, the pack chunk by chunk as `data.shards_order: chunks` reads it), either
 only iterating the loader or running a small DDP training step per batch, with the worker
@@ -66,16 +66,16 @@ def read(args) -> tuple[int, float]:
     """(images, seconds) of this rank's timed batches: read, or read and trained on."""
     import torch
     import torch.distributed as dist
-    from ddp_trainer import config, loaders, shards
+    from ddp_trainer import config, loaders
     from torch.utils.data import DataLoader
 
     overrides = [f"dataset.root={args.tree}", f"dataset.image_size={args.image_size}"]
     if args.source == "shards":
         overrides.append(f"data.shards={args.pack}")
     cfg = config.load(None, overrides)
-    train_set, _ = shards.datasets(cfg)
+    train_set, _ = loaders.datasets(cfg)
     # the project's training order: a global shuffle of the tree, the pack chunk by chunk (data.shards_order)
-    sampler = loaders.train_sampler(train_set, cfg, dist.get_world_size(), dist.get_rank(), shards.train_chunks(cfg))
+    sampler = loaders.train_sampler(train_set, cfg, dist.get_world_size(), dist.get_rank())
     sampler.set_epoch(0)
     loader = DataLoader(
         train_set,
@@ -148,7 +148,7 @@ def prepare(project: Path, scratch: Path, args) -> dict:
     per_class = -(-(args.batches + 2) * 32 * 2 // len(shapes.SHAPES))
     tree, pack = scratch / "tree", scratch / "pack"
     shapes.write_tree(tree, per_class, 2, args.tree_size)
-    command = [sys.executable, "-m", "ddp_trainer.pack", str(pack), f"dataset.root={tree}"]
+    command = [sys.executable, "-m", "ddp_trainer.tools.pack", str(pack), f"dataset.root={tree}"]
     env = dict(os.environ, PYTHONPATH=str(project / "src"))
     command += ["--config", "configs/default.yaml", "--chunk-mb", str(args.chunk_mb)]
     subprocess.run(command, cwd=project, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         extra = {"task": "image_classification"}
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=extra, output_dir=scratch))
         sys.path.insert(0, str(project / "src"))
-        from ddp_trainer.dist import cpus_available
+        from ddp_trainer.cpus import cpus_available
         from ddp_trainer.loaders import workers_per_rank
 
         data = prepare(project, Path(scratch), args)

@@ -51,11 +51,10 @@ def alternate(args: argparse.Namespace, cfg: config.Config, info: DistInfo) -> i
     bare = BareLoop(cfg)
     log = train.training_log(job, cfg, info)
     never_preempted = preemption.PreemptionFlag(signals=())
-    unchecked_loss = torch.zeros((), dtype=torch.float64)  # the loop's NaN check, as fit() keeps it
 
     def ours():
         job.total_steps = job.state.step + args.chunk_steps  # the chunk ends like a run at its last step
-        train.train_one_epoch(job, cfg, info, log, never_preempted, unchecked_loss)
+        train.train_one_epoch(job, cfg, info, log, never_preempted)
 
     def baseline():
         bare.run(args.chunk_steps)

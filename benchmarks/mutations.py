@@ -133,7 +133,7 @@ MUTANTS = [
         "clip not applied",
         "gradient clipping",
         TRAIN,
-        "        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)\n",
+        "        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)\n",
         "",
     ),
     Mutant(
@@ -210,7 +210,7 @@ MUTANTS = [
         "NaN check removed",
         "non-finite loss stops the run",
         TRAIN,
-        "            check_finite(status, state.step - steps_since_check(state.step, cfg), state.step, cfg)\n",
+        "            check_finite(window, cfg)\n",
         "",
         slow=("tests/test_train.py::test_a_nan_between_log_steps_is_never_checkpointed_and_a_rerun_resumes_before_it",),
     ),
@@ -232,10 +232,11 @@ MUTANTS = [
         "eval as a mean of per-rank means",
         "P26 exact global sums",
         TRAIN,
-        '    results = {f"eval_{name}": value for name, value in task.metrics(reduced).items()}',
+        '    return records.evaluation(task.metrics(reduced), int(reduced["samples"]))',
         "    local = task.metrics(dict(zip(totals.names, totals.sums.tolist())))\n"
-        '    results = {f"eval_{name}": dist.all_reduce_sum(torch.tensor(value, dtype=torch.float64)).item()'
-        " / info.world_size for name, value in local.items()}",
+        "    means = {name: dist.all_reduce_sum(torch.tensor(value, dtype=torch.float64)).item() / info.world_size"
+        " for name, value in local.items()}\n"
+        '    return records.evaluation(means, int(reduced["samples"]))',
     ),
     Mutant(
         "eval in train mode",

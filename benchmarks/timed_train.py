@@ -10,8 +10,8 @@ step_times = []
 untimed_step = train.optimizer_step
 
 
-def timed_step(state, cfg):
-    untimed_step(state, cfg)
+def timed_step(model, state, cfg):
+    untimed_step(model, state, cfg)
     step_times.append(time.time())
 
 

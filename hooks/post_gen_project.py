@@ -180,8 +180,8 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
         ]
     if answers["task"] == "language_model":
         lines += [
-            f"  python -m {package}.prepare TEXT_FILES --out data/mine && scripts/train.sh dataset.dir=data/mine",
-            f"  python -m {package}.sample runs/default --prompt 'def ' --tokens 200",
+            f"  python -m {package}.tools.prepare TEXT_FILES --out data/mine && scripts/train.sh dataset.dir=data/mine",
+            f"  python -m {package}.tools.sample runs/default --prompt 'def ' --tokens 200",
         ]
     return "\n".join(lines)
 

@@ -46,6 +46,7 @@ COMMON_FILES = {
     "tests/test_launch.py",
     "tests/test_faults.py",
     "tests/test_launchers.py",
+    "tests/test_layers.py",
     "tests/test_metrics.py",
     "tests/test_multinode.py",
     "tests/test_optim.py",
@@ -62,36 +63,43 @@ COMMON_FILES = {
 }
 PACKAGE_FILES = {
     "__init__.py",
-    "tools/__init__.py",
     "checkpoint.py",
-    "tools/checks.py",
     "config.py",
+    "cpus.py",
     "data.py",
-    "tools/diagnose.py",
     "dist.py",
-    "tools/evaluate.py",
-    "tools/hardware.py",
-    "tools/launch.py",
+    "extras.py",
+    "hardware.py",
     "loaders.py",
     "metrics.py",
     "model.py",
     "optim.py",
-    "pack.py",
-    "packer.py",
     "preemption.py",
+    "preflight.py",
     "processes.py",
-    "tools/preflight.py",
-    "tools/profiling.py",
+    "profiling.py",
     "records.py",
-    "tools/report.py",
+    "rendezvous.py",
     "rules.py",
+    "rundir.py",
+    "samplers.py",
+    "samples.py",
     "shards.py",
-    "tools/smoke.py",
     "task.py",
-    "tools/tensorboard.py",
-    "tools/tracker_worker.py",
-    "tools/tracking.py",
+    "tensorboard.py",
+    "tracker_worker.py",
+    "tracking.py",
     "train.py",
+    "tools/__init__.py",
+    "tools/checks.py",
+    "tools/diagnose.py",
+    "tools/evaluate.py",
+    "tools/export.py",
+    "tools/launch.py",
+    "tools/pack.py",
+    "tools/packer.py",
+    "tools/report.py",
+    "tools/smoke.py",
 }
 SLURM_FILES = {"scripts/train.sbatch", "tests/test_sbatch.py"}
 KUBERNETES_FILES = {
@@ -105,7 +113,7 @@ KUBERNETES_FILES = {
     "tests/test_kubernetes.py",
 }
 CLASSIFIER_ONLY = {f for f in COMMON_FILES if f.startswith("examples/")} | {"tests/test_swaps.py"}
-STARTER_PACKAGE_FILES = {"image_classification": {"shapes.py"}, "language_model": {"prepare.py", "sample.py"}}
+STARTER_PACKAGE_FILES = {"image_classification": {"shapes.py"}, "language_model": {"tools/prepare.py", "tools/sample.py"}}
 
 SUPPORTED = [
     {},
@@ -186,6 +194,9 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
         cwd=project,
     )
     assert fmt.returncode == 0, fmt.stdout
+    layers = [str(BIN / "lint-imports"), str(project / "pyproject.toml"), "--no-cache", "--no-logo"]
+    layers = subprocess.run(layers, capture_output=True, text=True, cwd=project / "src")
+    assert layers.returncode == 0 and "Contracts: 3 kept, 0 broken." in layers.stdout, layers.stdout
 
 
 FREE_TEXT = {

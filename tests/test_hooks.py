@@ -146,7 +146,8 @@ def test_summary_states_the_global_batch_and_next_steps():
     assert ".prepare" not in text
     language_model = answers(task="language_model")
     text = post.summary(language_model, *post.resolve(language_model))
-    assert "python -m ddp_trainer.prepare TEXT_FILES --out data/mine" in text and "ddp_trainer.sample" in text
+    assert "python -m ddp_trainer.tools.prepare TEXT_FILES --out data/mine" in text
+    assert "python -m ddp_trainer.tools.sample" in text
     images = answers(task="image_classification")
     text = post.summary(images, *post.resolve(images))
     assert "dataset.root=/data/imagenet" in text and "python -m ddp_trainer.shapes data/shapes" in text

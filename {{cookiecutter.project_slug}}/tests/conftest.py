@@ -100,7 +100,13 @@ def train_args(out_dir: Path, *overrides: str, module: str = f"{PACKAGE}.train")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The run's newest checkpoint file on disk, or None."""
+    saved = sorted((Path(run_dir) / "checkpoints").glob("step_*.pt"))
+    return saved[-1] if saved else None
 
 
 def train_losses(run_dir: Path) -> list[float]:

@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Subset
 
-from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, shards, task, train
+from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import checks
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
@@ -50,7 +50,7 @@ def rank_orders(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
     """The sample indices each rank's sampler yields in an epoch."""
     orders = []
     for rank in range(world_size):
-        sampler = loaders.train_sampler(train_set, cfg, world_size, rank, shards.train_chunks(cfg))
+        sampler = loaders.train_sampler(train_set, cfg, world_size, rank)
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return orders
@@ -91,7 +91,7 @@ def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
     within four steps.
     """
     model = task.build_model(cfg)
-    train_set, eval_set = shards.datasets(cfg)
+    train_set, eval_set = loaders.datasets(cfg)
     collate = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[0].collate_fn
     worst = 0.0
     for step, (weights, gradients) in enumerate(steps):
@@ -110,10 +110,10 @@ def steps_recorded(steps: list):
     """Keep, at each optimizer step of the loop, its weights and the gradient it is about to apply."""
     optimizer_step = train.optimizer_step
 
-    def recording(state, cfg) -> None:
-        weights = {name: value.detach().clone() for name, value in state.model.state_dict().items()}
-        steps.append((weights, [p.grad.detach().clone() for p in state.model.parameters()]))
-        optimizer_step(state, cfg)
+    def recording(model, state, cfg) -> None:
+        weights = {name: value.detach().clone() for name, value in dist.bare(model).state_dict().items()}
+        steps.append((weights, [p.grad.detach().clone() for p in model.parameters()]))
+        optimizer_step(model, state, cfg)
 
     train.optimizer_step = recording
     try:
@@ -142,7 +142,7 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
     return {
         "gradient_error": reference_gradient_error(cfg, info.world_size, recorded),
         # after the run's last evaluation: each rank's buffers (BatchNorm statistics of its own batches) or rank 0's
-        "buffers": dist.all_gather_objects([buffer.double().sum().item() for buffer in job.state.model.buffers()]),
+        "buffers": dist.all_gather_objects([buffer.double().sum().item() for buffer in job.model.buffers()]),
         "steps": job.state.step,
         "buckets_per_sync": counter.buckets_per_sync,
         "micro_batches": steps * accum,
@@ -155,8 +155,8 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     task.TERMS_PER_SAMPLE = None  # the count-free path assumes equal batches, which this proof breaks on purpose
     cfg = exact_config(out, overrides, "run.name=weighting")
     job = train.build(cfg, info)
-    reference = copy.deepcopy(job.state.model)
-    train_set, _ = shards.datasets(cfg)
+    reference = copy.deepcopy(dist.bare(job.model))
+    train_set, _ = loaders.datasets(cfg)
     collate = job.train_loader.collate_fn
     sizes = [3 + 5 * rank for rank in range(info.world_size)]  # 3, 8, ... samples per rank
     starts = [sum(sizes[:rank]) for rank in range(info.world_size)]
@@ -170,7 +170,7 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     mean_of_means = copy.deepcopy(reference)
     mean_of_means.zero_grad(set_to_none=True)
     sum(task.loss_sum(mean_of_means, b) / float(task.count_terms(b)) for b in batches).div(len(batches)).backward()
-    pairs = list(zip(job.state.model.parameters(), reference.parameters(), mean_of_means.parameters(), strict=True))
+    pairs = list(zip(job.model.parameters(), reference.parameters(), mean_of_means.parameters(), strict=True))
     return {
         "terms": [float(task.count_terms(b)) for b in batches],
         "max_difference": max((a.grad - b.grad).abs().max().item() for a, b, _ in pairs),
@@ -188,12 +188,12 @@ def prove_same_initial_weights(overrides: list[str]) -> dict:
 @contextmanager
 def datasets_replaced(make):
     """The run's datasets as `make(train_set, eval_set)` returns them, through the seam (or the shards)."""
-    datasets = shards.datasets
-    shards.datasets = lambda cfg: make(*datasets(cfg))
+    datasets = loaders.datasets
+    loaders.datasets = lambda cfg: make(*datasets(cfg))
     try:
         yield
     finally:
-        shards.datasets = datasets
+        loaders.datasets = datasets
 
 
 def prove_unequal_lengths_stop_the_build(out: Path, overrides: list[str], info: DistInfo) -> dict:
@@ -253,10 +253,10 @@ def prove_epochs_reshuffle(out: Path, overrides: list[str], info: DistInfo, epoc
 
 def prove_wrapping(overrides: list[str], info: DistInfo) -> dict:
     cfg = config.load(SMOKE, [*overrides, "dist.bucket_cap_mb=7"])
-    model, eval_model = train.wrap(task.build_model(cfg), cfg, info)
+    model = train.wrap(task.build_model(cfg), cfg, info)
     return {
         "is_ddp": isinstance(model, DDP),
-        "eval_model_is_unwrapped": not isinstance(eval_model, DDP),
+        "eval_model_is_unwrapped": not isinstance(dist.without_ddp(model), DDP),
         "gradient_as_bucket_view": model.gradient_as_bucket_view,
         "find_unused_parameters": model.find_unused_parameters,
         "bucket_bytes_cap": model.bucket_bytes_cap,
@@ -267,7 +267,7 @@ def prove_eval_counts(overrides: list[str], info: DistInfo) -> dict:
     cfg = config.load(SMOKE, [*overrides, "data.num_workers=0"])
     dist.seed_everything(cfg.run.seed)
     model = task.build_model(cfg)
-    train_set, eval_set = shards.datasets(cfg)
+    train_set, eval_set = loaders.datasets(cfg)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, 0)
     return train.evaluate(model, eval_loader, cfg, info) | {"dataset_size": len(eval_set)}
 

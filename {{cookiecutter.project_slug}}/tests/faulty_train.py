@@ -48,14 +48,14 @@ def should_fire() -> bool:
     return True
 
 
-def faulty_optimizer_step(state, cfg):
+def faulty_optimizer_step(model, state, cfg):
     global steps_done
     steps_done = state.step + 1
     if FAULT == "crash" and RANK == FAULT_RANK and steps_done == FAULT_STEP and should_fire():
         raise RuntimeError(f"injected crash in step {steps_done}")
     if FAULT == "stall" and RANK == FAULT_RANK and steps_done == FAULT_STEP:
         time.sleep(FAULT_SECONDS)
-    original_step(state, cfg)
+    original_step(model, state, cfg)
     if FAULT == "slow":
         time.sleep(FAULT_SECONDS)
 

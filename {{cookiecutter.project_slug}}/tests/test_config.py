@@ -5,7 +5,7 @@ import sys
 import pytest
 from conftest import PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
-from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }} import config, rules
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
 DEFAULT_CONFIG = PROJECT / "configs" / "default.yaml"
@@ -106,7 +106,7 @@ def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path):
 def test_a_config_error_is_one_write_so_the_ranks_lines_never_run_together(monkeypatch):
     stderr = Writes()
     monkeypatch.setattr(sys, "stderr", stderr)
-    with pytest.raises(SystemExit) as exited, config.exit_on_user_error():
+    with pytest.raises(SystemExit) as exited, rules.exit_on_user_error():
         raise ConfigError("dataset.root: /x is missing\nmodel.arch: 'resnt' is unknown")
     assert exited.value.code == 2
     assert stderr.calls == ["config error: dataset.root: /x is missing\nconfig error: model.arch: 'resnt' is unknown\n"]

@@ -5,7 +5,7 @@ import torch
 from conftest import SMOKE_CONFIG, TINY
 from torch.utils.data import DistributedSampler, Subset
 
-from {{ cookiecutter.package_name }} import config, dist, loaders, task
+from {{ cookiecutter.package_name }} import config, cpus, loaders, samples, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 
@@ -22,12 +22,9 @@ def test_workers_per_rank_rule(cpus, local_ranks, cap, expected):
     assert loaders.workers_per_rank(cpus, local_ranks, cap) == expected
 
 
-def test_a_users_omp_num_threads_wins_over_the_cpu_share(monkeypatch):
-    monkeypatch.setattr(dist, "cpus_available", lambda: 16)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert dist.intra_op_threads(8) == 2 and dist.intra_op_threads(32) == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert dist.intra_op_threads(8) == 5
+def test_a_users_omp_num_threads_wins_over_the_cpu_share():
+    assert cpus.threads_per_rank({}, 8, usable=16) == 2 and cpus.threads_per_rank({}, 32, usable=16) == 1
+    assert cpus.threads_per_rank({"OMP_NUM_THREADS": "5"}, 8, usable=16) == 5
 
 
 def build(rank, world, *overrides, workers=0, train_samples=None):
@@ -67,13 +64,13 @@ def test_set_epoch_changes_the_order_and_shards_are_disjoint():
     assert not set(epoch_order(first, 3)) & set(epoch_order(second, 3))
 
 
-@pytest.mark.parametrize("samples", [400, 399, 301])
+@pytest.mark.parametrize("size", [400, 399, 301])
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_same_number_of_full_batches(samples, world):
-    lengths = {len(build(r, world, train_samples=samples)[0]) for r in range(world)}
+def test_every_rank_gets_the_same_number_of_full_batches(size, world):
+    lengths = {len(build(r, world, train_samples=size)[0]) for r in range(world)}
     assert len(lengths) == 1
-    for batch in build(world - 1, world, train_samples=samples)[0]:
-        assert loaders.num_samples(batch) == 16
+    for batch in build(world - 1, world, train_samples=size)[0]:
+        assert samples.num_samples(batch) == 16
 
 
 def test_resumable_sampler_continues_mid_epoch():
@@ -94,15 +91,15 @@ def test_unequal_lengths_fail_clearly_in_a_world_of_one():
 
 def test_move_to_walks_tuples_lists_and_dicts():
     batch = {"ids": torch.ones(2, 3), "pair": (torch.zeros(2), [torch.ones(2)]), "name": "x"}
-    moved = loaders.move_to(batch, torch.device("meta"))
+    moved = samples.move_to(batch, torch.device("meta"))
     assert moved["ids"].device.type == "meta" and moved["pair"][1][0].device.type == "meta"
     assert isinstance(moved["pair"], tuple) and moved["name"] == "x"
 
 
 def test_num_samples_and_describe_read_any_batch_structure():
     batch = {"meta": "x", "input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": torch.zeros(4, 7)}
-    assert loaders.num_samples(batch) == 4 and loaders.num_samples((torch.zeros(3, 2), torch.zeros(3))) == 3
-    assert loaders.describe(batch) == "{'meta': str, 'input_ids': Tensor[4, 7] int64, 'labels': Tensor[4, 7] float32}"
+    assert samples.num_samples(batch) == 4 and samples.num_samples((torch.zeros(3, 2), torch.zeros(3))) == 3
+    assert samples.describe(batch) == "{'meta': str, 'input_ids': Tensor[4, 7] int64, 'labels': Tensor[4, 7] float32}"
 
 
 def tensors(batch) -> list:
@@ -115,8 +112,8 @@ def tensors(batch) -> list:
 def test_first_samples_collate_like_the_loader_without_touching_the_sampler():
     train, _ = build(0, 2)
     order = epoch_order(train, 0)
-    batch = loaders.first_samples(train.dataset, train, 3)
+    batch = samples.first_samples(train.dataset, train, 3)
     expected = train.collate_fn([train.dataset[i] for i in range(3)])
-    assert loaders.describe(batch) == loaders.describe(expected)
+    assert samples.describe(batch) == samples.describe(expected)
     assert all(torch.equal(a, b) for a, b in zip(tensors(batch), tensors(expected), strict=True))
     assert epoch_order(train, 0) == order

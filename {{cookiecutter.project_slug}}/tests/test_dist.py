@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import PROJECT, Writes, project_env, run, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import dist, preemption
+from {{ cookiecutter.package_name }} import cpus, dist, preemption, rendezvous
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.tools import launch
@@ -36,7 +36,7 @@ def test_torchrun_environment_on_a_cpu_node(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     info = DistInfo.from_env()
     assert (info.rank, info.local_rank, info.world_size, info.local_world_size) == (9, 1, 16, 8)
-    assert info.backend == "gloo" and info.device == torch.device("cpu") and info.restart == 2
+    assert info.backend == "gloo" and info.device == torch.device("cpu")
     assert not info.is_main  # main process means global rank 0, not local rank 0
 
 
@@ -62,7 +62,8 @@ def fake_init(monkeypatch, visible_gpus=2):
 def test_init_binds_the_device_first_and_tells_the_process_group(monkeypatch):
     calls = fake_init(monkeypatch)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    info = DistInfo(1, 1, 2, 2, torch.device("cuda", 1), "nccl", restart=3)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    info = DistInfo(1, 1, 2, 2, torch.device("cuda", 1), "nccl")
     dist.init(info, timeout_minutes=0.5)
     first, (second, options) = calls
     assert first == ("set_device", torch.device("cuda", 1)) and second == "init"  # before the first collective
@@ -79,19 +80,19 @@ def test_cpu_ranks_bind_nothing_and_pass_no_device(monkeypatch):
 
 
 @pytest.mark.parametrize(("agent_store", "prefix"), [("False", ""), ("True", "attempt2/"), (None, "attempt2/")])
-def test_store_prefix_only_where_the_agents_store_outlives_restarts(monkeypatch, agent_store, prefix):
+def test_store_prefix_only_where_the_agents_store_outlives_restarts(agent_store, prefix):
     # torchrun sets TORCHELASTIC_USE_AGENT_STORE=False when every rendezvous round gets a fresh
     # store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which the node launcher sets): no prefix, so
     # nodes whose restart counts differ (one rejoined, the other only saw it rejoin) still meet
-    if agent_store is None:
-        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    else:
-        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
-    assert dist.store_prefix(DistInfo(0, 0, 2, 1, torch.device("cpu"), "gloo", restart=2)) == prefix
+    env = {"TORCHELASTIC_RESTART_COUNT": "2"} | (
+        {} if agent_store is None else {"TORCHELASTIC_USE_AGENT_STORE": agent_store}
+    )
+    assert rendezvous.store_prefix(env) == prefix
 
 
 def test_the_launcher_asks_torchrun_for_a_fresh_store_per_round():
     _, env = launch.prepare(["-m", "x"], {}, gpus=0, affinity=4)
+    assert env.items() >= rendezvous.FRESH_STORE_ENV.items()
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
@@ -127,16 +128,16 @@ def test_same_seed_gives_the_same_weights():
 def test_cpus_follow_the_affinity_mask(monkeypatch, affinity):
     for name in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: affinity, raising=False)
-    assert dist.cpus_available() == len(affinity)
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: affinity, raising=False)
+    assert cpus.cpus_available() == len(affinity)
 
 
 def test_cpus_are_capped_by_slurms_allocation_where_slurm_does_not_bind(monkeypatch):
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(cpus.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "32")
-    assert dist.cpus_available() == 16
+    assert cpus.cpus_available() == 16
 
 
 def test_preemption_is_reported_to_the_launcher_with_exit_0(monkeypatch, tmp_path):

@@ -41,7 +41,7 @@ def problem(kind: str, result: subprocess.CompletedProcess) -> str | None:
     output = result.stdout + result.stderr
     if any(sign in output for sign in ABORTS):
         return f"{kind}: a rank aborted (exit {result.returncode})\n{result.stderr[-3000:]}"
-    expected = {"train": (0, "done: 20 steps"), "smoke": (0, "smoke: PASS"), "error": (1, "FileNotFoundError")}
+    expected = {"train": (0, "done: 20 steps"), "smoke": (0, "smoke: PASS"), "error": (1, "missing.pt does not exist")}
     code, line = expected[kind]
     if result.returncode != code or line not in output:
         return f"{kind}: exit {result.returncode}, expected {code} and {line!r}\n{output[-3000:]}"

@@ -1,4 +1,4 @@
-"""`checkpoint export`: weights that load for inference without this project, as .pt or safetensors."""
+"""`tools.export`: weights that load for inference without this project, as .pt or safetensors."""
 
 import sys
 
@@ -14,6 +14,8 @@ from {{ cookiecutter.package_name }} import checkpoint, config, optim, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import build_model
+from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }}.tools import export
 
 INFO = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -25,7 +27,8 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def trained_looking_state(cfg, model: nn.Module, step: int) -> TrainState:
-    """A TrainState whose every parameter and buffer holds arbitrary bits, as after training."""
+    """A TrainState at `step`, after filling every parameter and buffer of `model` with arbitrary
+    bits, as after training."""
     generator = torch.Generator().manual_seed(step)
     with torch.no_grad():
         for tensor in model.state_dict().values():
@@ -35,23 +38,25 @@ def trained_looking_state(cfg, model: nn.Module, step: int) -> TrainState:
                 tensor.fill_(step)  # BatchNorm's num_batches_tracked
     optimizer = optim.build_optimizer(model, 1e-3, 0.0)
     scheduler = optim.build_scheduler(optimizer, cfg.train, 100, 0.05)
-    return TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
+    return TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
 
 
 def saved_checkpoint(tmp_path, step: int = 42):
+    """(config, model, the checkpoint file) of a model with arbitrary weights."""
     cfg = config.load(SMOKE_CONFIG)
-    state = trained_looking_state(cfg, build_model(cfg), step)
-    path = checkpoint.save(state, tmp_path / "run", config.to_dict(cfg), INFO, keep_last=1)
-    return cfg, state, path
+    model = build_model(cfg)
+    state = trained_looking_state(cfg, model, step)
+    path = checkpoint.save(model, state, RunDir(tmp_path / "run"), config.to_dict(cfg), INFO, keep_last=1)
+    return cfg, model, path
 
 
 def test_safetensors_export_round_trips_bit_identically(tmp_path):
-    cfg, state, path = saved_checkpoint(tmp_path)
+    cfg, model, path = saved_checkpoint(tmp_path)
     output = tmp_path / "model.safetensors"
-    assert checkpoint.export_weights(path, output) == "safetensors"  # chosen by the suffix
+    assert export.export_weights(path, output) == "safetensors"  # chosen by the suffix
     fresh = build_model(cfg)
     fresh.load_state_dict(load_file(output))  # strict: the same names, nothing extra or missing
-    for name, tensor in state.model.state_dict().items():
+    for name, tensor in model.state_dict().items():
         loaded = fresh.state_dict()[name]
         assert loaded.dtype == tensor.dtype and loaded.shape == tensor.shape, name
         assert torch.equal(bits(loaded), bits(tensor)), name
@@ -59,7 +64,7 @@ def test_safetensors_export_round_trips_bit_identically(tmp_path):
         assert f.metadata() == {
             "format": "pt",
             "step": "42",
-            "config_sha256": checkpoint.config_digest(config.to_dict(cfg)),
+            "config_sha256": export.config_digest(config.to_dict(cfg)),
             "torch_version": torch.__version__,
         }
 
@@ -68,32 +73,32 @@ def test_config_digest_changes_with_any_setting_but_not_with_key_order():
     settings = config.to_dict(config.load(SMOKE_CONFIG))
     reordered = dict(reversed(list(settings.items())))
     changed = config.to_dict(config.load(SMOKE_CONFIG, ["train.lr=0.5"]))
-    assert checkpoint.config_digest(reordered) == checkpoint.config_digest(settings)
-    assert checkpoint.config_digest(changed) != checkpoint.config_digest(settings)
+    assert export.config_digest(reordered) == export.config_digest(settings)
+    assert export.config_digest(changed) != export.config_digest(settings)
 
 
 def test_cli_picks_the_format_by_suffix_and_the_flag_overrides_it(tmp_path, capsys):
-    _, state, path = saved_checkpoint(tmp_path)
-    expected = state.model.state_dict()
-    checkpoint.main(["export", str(path), str(tmp_path / "weights.pt")])
+    _, model, path = saved_checkpoint(tmp_path)
+    expected = model.state_dict()
+    export.main([str(path), str(tmp_path / "weights.pt")])
     assert "torch.load(path, weights_only=True)" in capsys.readouterr().out
     plain = torch.load(tmp_path / "weights.pt", weights_only=True)
-    checkpoint.main(["export", str(path), str(tmp_path / "weights.bin"), "--format", "safetensors"])
+    export.main([str(tmp_path / "run"), str(tmp_path / "weights.bin"), "--format", "safetensors"])  # a run's newest
     assert "safetensors.torch.load_file(path)" in capsys.readouterr().out
     for weights in (plain, load_file(tmp_path / "weights.bin")):
         assert weights.keys() == expected.keys()
         assert all(torch.equal(weights[k], v) for k, v in expected.items())
 
 
-def test_missing_safetensors_is_one_line_that_says_what_to_install(tmp_path, monkeypatch):
+def test_missing_safetensors_is_one_line_that_says_what_to_install(tmp_path, monkeypatch, capsys):
     _, _, path = saved_checkpoint(tmp_path)
-    monkeypatch.setitem(sys.modules, "safetensors", None)  # None in sys.modules: the import fails
-    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    monkeypatch.setattr(export.extras, "installed", lambda package: package != "safetensors")
     with pytest.raises(SystemExit) as exited:
-        checkpoint.main(["export", str(path), str(tmp_path / "model.safetensors")])
-    message = str(exited.value.code)
-    assert message.startswith("error: safetensors is not installed: pip install safetensors")
-    assert "\n" not in message
+        export.main([str(path), str(tmp_path / "model.safetensors")])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "config error: export to .safetensors needs safetensors, which is not installed: pip install -e '.[export]'\n"
+    )
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -107,7 +112,7 @@ def test_tied_weights_export_to_safetensors(tmp_path):
 
     model = tied()
     checkpoint.atomic_save({"model": model.state_dict(), "step": 3, "config": {}}, tmp_path / "tied.pt")
-    checkpoint.export_weights(tmp_path / "tied.pt", tmp_path / "tied.safetensors")
+    export.export_weights(tmp_path / "tied.pt", tmp_path / "tied.safetensors")
     fresh = tied()
     fresh.load_state_dict(load_file(tmp_path / "tied.safetensors"))
     assert torch.equal(fresh[0].weight, model[0].weight) and fresh[1].weight is fresh[0].weight
@@ -124,11 +129,12 @@ def world_of_one():
 def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_path, world_of_one):
     cfg = config.load(SMOKE_CONFIG, ["train.compile=true"])
     raw = build_model(cfg)
-    compiled, _ = train.wrap(raw, cfg, INFO)  # compile only: a world of one gets no DDP from wrap
+    compiled = train.wrap(raw, cfg, INFO)  # compile only: a world of one gets no DDP from wrap
     wrapped = DDP(compiled)  # the nesting wrap builds on more ranks: DDP(compiled(raw))
     assert all(k.startswith("module._orig_mod.") for k in wrapped.state_dict())  # what must not leak
-    path = checkpoint.save(trained_looking_state(cfg, raw, 7), tmp_path / "run", config.to_dict(cfg), INFO, 1)
-    checkpoint.export_weights(path, tmp_path / "model.safetensors")
+    state = trained_looking_state(cfg, raw, 7)
+    path = checkpoint.save(wrapped, state, RunDir(tmp_path / "run"), config.to_dict(cfg), INFO, 1)
+    export.export_weights(path, tmp_path / "model.safetensors")
     weights = load_file(tmp_path / "model.safetensors")
     assert not any(k.startswith(WRAPPER_PREFIXES) for k in weights)
     build_model(cfg).load_state_dict(weights)
@@ -141,7 +147,7 @@ def test_a_compiled_two_rank_run_exports_weights_that_load_strictly(tmp_path):
     result = torchrun(*train_args(tmp_path, "train.compile=true", "train.max_steps=3", "run.name=c"), timeout=600)
     assert "compile True" in result.stdout
     saved = tmp_path / "c" / "checkpoints" / "step_00000003.pt"
-    run([sys.executable, "-m", f"{PACKAGE}.checkpoint", "export", str(saved), str(tmp_path / "m.safetensors")])
+    run([sys.executable, "-m", f"{PACKAGE}.tools.export", str(saved), str(tmp_path / "m.safetensors")])
     weights = load_file(tmp_path / "m.safetensors")
     assert not any(k.startswith(WRAPPER_PREFIXES) for k in weights)
     build_model(config.load(tmp_path / "c" / "config.yaml")).load_state_dict(weights)

@@ -13,11 +13,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_args, wait_for
+from conftest import (
+    PACKAGE,
+    PROJECT,
+    SMOKE_CONFIG,
+    TINY,
+    newest_checkpoint,
+    project_env,
+    run,
+    torchrun,
+    train_args,
+    wait_for,
+)
 
 from {{ cookiecutter.package_name }} import checkpoint, config, optim, preemption
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.task import build_datasets, build_model
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
@@ -133,9 +146,8 @@ def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_resumes(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    latest = tmp_path / "smoke" / "checkpoints" / "latest"
     try:
-        wait_for(latest.exists, timeout=60)
+        wait_for(lambda: newest_checkpoint(tmp_path / "smoke") is not None, timeout=60)
         os.kill(worker_pid(job.pid, rank=1), signal.SIGKILL)
         killed_at = time.monotonic()
         job.wait(timeout=90)
@@ -143,7 +155,7 @@ def test_kill_9_of_one_rank_ends_the_job_and_a_rerun_resumes(tmp_path):
         job.kill()
     assert job.returncode != 0
     assert time.monotonic() - killed_at < 60  # torchrun notices and stops the survivors: no hang
-    path, state = checkpoint.newest_loadable(tmp_path / "smoke")
+    path, state = checkpoint.newest_loadable(RunDir(tmp_path / "smoke"))
     assert state["step"] >= 20
     rerun = torchrun(
         *train_args(tmp_path, *EVERY_20, "train.epochs=20", "train.max_steps=" + str(state["step"] + 5)), timeout=120
@@ -171,7 +183,7 @@ def test_sigterm_checkpoints_the_current_step_exits_75_and_the_rerun_continues(t
     finally:
         job.kill()
     assert job.returncode == preemption.PREEMPTED_EXIT_CODE, stderr
-    saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
+    saved = newest_checkpoint(tmp_path / "smoke").name
     step = int(saved.removeprefix("step_").removesuffix(".pt"))
     assert f"preempted at step {step}: checkpoint written" in stdout
     rerun = torchrun(*train_args(tmp_path, f"train.max_steps={step + 5}"), timeout=120)
@@ -208,66 +220,73 @@ def test_short_timeout_turns_a_stuck_collective_into_an_error_and_the_stuck_rank
     assert "[rank 0/2]" in result.stderr and ("imed out" in result.stderr or "Application timeout" in result.stderr)
 
 
-def small_state(step: int) -> TrainState:
+def small_run(step: int) -> tuple[torch.nn.Module, TrainState]:
+    """A model and its training state at `step`, as checkpoint.save and resume take them."""
     cfg = config.load(SMOKE_CONFIG)
     model = build_model(cfg)
     optimizer = optim.build_optimizer(model, 1e-3, 0.0)
     scheduler = optim.build_scheduler(optimizer, cfg.train, 100, 0.05)
-    return TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
+    return model, TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
 
 
 INFO = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+SETTINGS = config.to_dict(config.load(SMOKE_CONFIG))  # the run's settings, as resume compares them
 
 
 def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    checkpoint.save(small_state(1), tmp_path, {}, INFO, keep_last=3)
+    run_dir = RunDir(tmp_path)
+    checkpoint.save(*small_run(1), run_dir, {}, INFO, keep_last=3)
 
     def crash(src, dst):
         raise OSError("killed during the write")
 
     monkeypatch.setattr(checkpoint.os, "replace", crash)
     with pytest.raises(OSError, match="killed during the write"):
-        checkpoint.save(small_state(2), tmp_path, {}, INFO, keep_last=3)
+        checkpoint.save(*small_run(2), run_dir, {}, INFO, keep_last=3)
     monkeypatch.undo()
     assert not (tmp_path / "checkpoints" / "step_00000002.pt").exists()
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001.pt"
-    path, state = checkpoint.newest_loadable(tmp_path)
+    path, state = checkpoint.newest_loadable(run_dir)
     assert path.name == "step_00000001.pt" and state["step"] == 1
 
 
 def test_corrupt_checkpoints_are_skipped_by_auto_and_rejected_by_path(tmp_path):
+    run_dir = RunDir(tmp_path)
     for step in (1, 2):
-        checkpoint.save(small_state(step), tmp_path, {}, INFO, keep_last=5)
+        checkpoint.save(*small_run(step), run_dir, {}, INFO, keep_last=5)
     good = (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes()
     (tmp_path / "checkpoints" / "step_00000003.pt").write_bytes(good[: len(good) // 2])  # truncated
     (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"not a checkpoint")  # garbage
     with pytest.warns(UserWarning, match="step_00000004.pt, which is unreadable") as skipped:
-        path, state = checkpoint.newest_loadable(tmp_path)
+        path, state = checkpoint.newest_loadable(run_dir)
     assert not any("checkpoint.resume" in str(warning.message) for warning in skipped)  # auto is what runs
     assert path.name == "step_00000002.pt" and state["step"] == 2
-    resumed = small_state(0)
-    assert checkpoint.resume(resumed, tmp_path, "auto", INFO).name == "step_00000002.pt"
+    model, resumed = small_run(0)
+    assert checkpoint.resume(model, resumed, run_dir, "auto", INFO, SETTINGS).name == "step_00000002.pt"
     assert resumed.step == 2
-    with pytest.raises(ValueError, match="step_00000003.pt is unreadable .* pass another file"):
-        checkpoint.resume(small_state(0), tmp_path, str(tmp_path / "checkpoints" / "step_00000003.pt"), INFO)
+    truncated = str(tmp_path / "checkpoints" / "step_00000003.pt")
+    with pytest.raises(
+        ConfigError, match="checkpoint.resume: checkpoint .*step_00000003.pt is unreadable .* pass another"
+    ):
+        checkpoint.resume(*small_run(0), run_dir, truncated, INFO, SETTINGS)
 
 
 def test_weights_with_nan_are_never_written_and_never_resumed_from(tmp_path):
-    checkpoint.save(small_state(1), tmp_path, {}, INFO, keep_last=5)
-    broken = small_state(2)
+    run_dir = RunDir(tmp_path)
+    checkpoint.save(*small_run(1), run_dir, {}, INFO, keep_last=5)
+    broken, state = small_run(2)
     with torch.no_grad():
-        next(broken.model.parameters()).fill_(float("nan"))
+        next(broken.parameters()).fill_(float("nan"))
     # one parameter filled with NaN (more names where weights are tied, as in a language model)
     with pytest.raises(FloatingPointError, match="not writing the checkpoint of step 2: [0-9]+ weights hold nan"):
-        checkpoint.save(broken, tmp_path, {}, INFO, keep_last=5)
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001.pt"
-    # one an earlier version wrote after a NaN loss: auto passes over it, a path to it is refused
-    payload = checkpoint.load_file(tmp_path / "checkpoints" / "step_00000001.pt") | broken.state_dict()
-    torch.save(payload, tmp_path / "checkpoints" / "step_00000002.pt")
+        checkpoint.save(broken, state, run_dir, {}, INFO, keep_last=5)
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000001.pt"]
+    # a file with such weights (copied in by hand, say): auto passes over it, a path to it is refused
+    payload = checkpoint.load_file(run_dir.checkpoint(1)) | {"model": broken.state_dict(), "step": 2}
+    torch.save(payload, run_dir.checkpoint(2))
     with pytest.warns(UserWarning, match="step_00000002.pt: [0-9]+ of its weights hold nan or inf"):
-        assert checkpoint.resume(small_state(0), tmp_path, "auto", INFO).name == "step_00000001.pt"
-    with pytest.raises(config.ConfigError, match="checkpoint.resume: .*step_00000002.pt: [0-9]+ of its weights hold"):
-        checkpoint.resume(small_state(0), tmp_path, str(tmp_path / "checkpoints" / "step_00000002.pt"), INFO)
+        assert checkpoint.resume(*small_run(0), run_dir, "auto", INFO, SETTINGS).name == "step_00000001.pt"
+    with pytest.raises(ConfigError, match="checkpoint.resume: .*step_00000002.pt: [0-9]+ of its weights hold"):
+        checkpoint.resume(*small_run(0), run_dir, str(run_dir.checkpoint(2)), INFO, SETTINGS)
 
 
 def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):
@@ -278,19 +297,20 @@ def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):
 
 
 def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):
-    written = {"train": {"epochs": 10, "lr": 0.1}, "checkpoint": {"resume": "auto"}, "run": {"name": "a"}}
-    checkpoint.save(small_state(3), tmp_path, written, INFO, keep_last=1)
-    now = {"train": {"epochs": 1, "lr": 0.1}, "checkpoint": {"resume": "step_3.pt"}, "run": {"name": "a"}}
-    checkpoint.resume(small_state(0), tmp_path, "auto", INFO, now)
+    run_dir, data = RunDir(tmp_path), SETTINGS["data"]
+    written = {"train": {"epochs": 10, "lr": 0.1}, "checkpoint": {"resume": "auto"}, "data": data}
+    checkpoint.save(*small_run(3), run_dir, written, INFO, keep_last=1)
+    now = {"train": {"epochs": 1, "lr": 0.1}, "checkpoint": {"resume": "step_3.pt"}, "data": data}
+    checkpoint.resume(*small_run(0), run_dir, "auto", INFO, now)
     note = capsys.readouterr().out
     assert note.startswith("note: resuming step_00000003.pt with settings changed since it was written: ")
     assert "train.epochs 10 -> 1;" in note and "lr" not in note.split(";")[0] and "checkpoint.resume" not in note
-    checkpoint.resume(small_state(0), tmp_path, "auto", INFO, written)
+    checkpoint.resume(*small_run(0), run_dir, "auto", INFO, written)
     assert capsys.readouterr().out == ""
 
 
 def test_resuming_another_models_checkpoint_is_one_config_error_that_names_the_fix(tmp_path):
-    payload = checkpoint.load_file(checkpoint.save(small_state(3), tmp_path, {}, INFO, keep_last=1))
+    payload = checkpoint.load_file(checkpoint.save(*small_run(3), RunDir(tmp_path), {}, INFO, keep_last=1))
     weights = payload["model"]
     reshaped = next(name for name, tensor in weights.items() if tensor.dim() >= 1)
     weights[reshaped] = torch.zeros(*weights[reshaped].shape, 2)
@@ -299,9 +319,9 @@ def test_resuming_another_models_checkpoint_is_one_config_error_that_names_the_f
     weights["extra_head.weight"] = torch.zeros(1)
     other = tmp_path / "other_model.pt"
     torch.save(payload, other)
-    resumed = small_state(0)
-    with pytest.raises(config.ConfigError) as error:
-        checkpoint.resume(resumed, tmp_path, str(other), INFO)
+    model, resumed = small_run(0)
+    with pytest.raises(ConfigError) as error:
+        checkpoint.resume(model, resumed, RunDir(tmp_path), str(other), INFO, SETTINGS)
     assert str(error.value) == (
         f"checkpoint.resume: {other} holds another model (parameters and buffers: 1 missing, e.g. {missing}, "
         f"1 unexpected, e.g. extra_head.weight, 1 of another shape, e.g. {reshaped}): the model settings "
@@ -329,18 +349,18 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     for step in range(1, 6):
-        checkpoint.save(small_state(step), tmp_path, {}, INFO, keep_last=2)
+        checkpoint.save(*small_run(step), RunDir(tmp_path), {}, INFO, keep_last=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["step_00000004.pt", "step_00000005.pt"]
 
 
 def test_export_gives_a_plain_state_dict(tmp_path):
-    state = small_state(7)
-    path = checkpoint.save(state, tmp_path, {}, INFO, keep_last=1)
-    run([sys.executable, "-m", f"{PACKAGE}.checkpoint", "export", str(path), str(tmp_path / "weights.pt")])
+    model, state = small_run(7)
+    path = checkpoint.save(model, state, RunDir(tmp_path), {}, INFO, keep_last=1)
+    run([sys.executable, "-m", f"{PACKAGE}.tools.export", str(path), str(tmp_path / "weights.pt")])
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
-    model = build_model(config.load(SMOKE_CONFIG))
-    model.load_state_dict(weights)  # strict: no module./_orig_mod. prefixes
-    assert all(torch.equal(weights[k], v) for k, v in state.model.state_dict().items())
+    fresh = build_model(config.load(SMOKE_CONFIG))
+    fresh.load_state_dict(weights)  # strict: no module./_orig_mod. prefixes
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
 
 
 def test_rng_state_round_trips(tmp_path):

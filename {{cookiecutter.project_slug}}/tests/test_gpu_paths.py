@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import PACKAGE, needs_cuda, needs_gpus, project_env, run, torchrun
 
-from {{ cookiecutter.package_name }} import dist
+from {{ cookiecutter.package_name }} import dist, hardware
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.tools import hardware, launch
+from {{ cookiecutter.package_name }}.tools import launch
 from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
 
@@ -50,7 +50,7 @@ NO_CONTEXT_ON_GPU_0 = """
 import ctypes
 import torch
 from {{ cookiecutter.package_name }} import dist
-from {{ cookiecutter.package_name }}.tools import hardware
+from {{ cookiecutter.package_name }} import hardware
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 info = DistInfo.from_env()
@@ -85,7 +85,7 @@ BOUND_BEFORE_INIT = """
 import torch
 import torch.distributed as torch_dist
 from {{ cookiecutter.package_name }} import dist
-from {{ cookiecutter.package_name }}.tools import hardware
+from {{ cookiecutter.package_name }} import hardware
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 info = DistInfo.from_env()

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import train
-from {{ cookiecutter.package_name }}.tools import checks, hardware
-from {{ cookiecutter.package_name }}.tools.hardware import Gpu
+from {{ cookiecutter.package_name }} import hardware, train
+from {{ cookiecutter.package_name }}.hardware import Gpu
+from {{ cookiecutter.package_name }}.tools import checks, diagnose
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def rows_by_topic(rows):
 
 def test_doctor_flags_bf16_on_volta_and_counts_gpus_like_the_launcher():
     found = [Gpu(0, "Tesla V100", (7, 0), "GPU-a"), Gpu(1, "Tesla V100", (7, 0), "GPU-b")]
-    rows = rows_by_topic(hardware.doctor_rows("bf16", found, "2.21.5", planned=8))
+    rows = rows_by_topic(diagnose.gpu_rows("bf16", found, "2.21.5", planned=8))
     assert rows["GPUs"][0] == checks.WARN and "2 visible (the count the launch scripts use)" in rows["GPUs"][1]
     assert rows["GPU 0"][0] == checks.FAIL and "train.precision=fp16" in rows["GPU 0"][1]
     assert rows["NCCL"] == (checks.PASS, "2.21.5")
@@ -113,14 +113,14 @@ def test_doctor_flags_bf16_on_volta_and_counts_gpus_like_the_launcher():
 
 def test_doctor_fails_without_nccl_and_warns_on_mig():
     found = [Gpu(0, "NVIDIA A100-SXM4-40GB MIG 3g.20gb", (8, 0), "MIG-a")]
-    rows = rows_by_topic(hardware.doctor_rows("bf16", found, None, planned=1))
+    rows = rows_by_topic(diagnose.gpu_rows("bf16", found, None, planned=1))
     assert rows["NCCL"][0] == checks.FAIL
     assert rows["MIG"][0] == checks.WARN and "NPROC_PER_NODE=1" in rows["MIG"][1]
     assert rows["GPU 0"][0] == checks.PASS
 
 
 def test_doctor_on_a_cpu_machine():
-    ((verdict, topic, detail),) = hardware.doctor_rows("bf16", [], None, planned=8)
+    ((verdict, topic, detail),) = diagnose.gpu_rows("bf16", [], None, planned=8)
     assert topic == "GPUs" and verdict == checks.WARN and "2 processes" in detail
 
 

@@ -18,7 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, project_env, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, newest_checkpoint, project_env, wait_for
 from dockerfile_parse import DockerfileParser
 
 from {{ cookiecutter.package_name }} import checkpoint, config, preemption
@@ -120,7 +120,7 @@ def test_the_manifests_follow_the_project_and_each_other():
         assert pod["terminationGracePeriodSeconds"] == grace_seconds()
     assert found["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]  # every node loads checkpoints
     for resources in (trainer["resourcesPerNode"], pod_spec("JobSet")["containers"][0]["resources"]):
-        # the torch plugin counts GPUs in the requests; the CPU limit sizes the threads (launch.usable_cpus)
+        # the torch plugin counts GPUs in the requests; the CPU limit sizes the threads (cpus.usable_cpus)
         assert (
             resources["requests"] == resources["limits"]
             and resources["limits"]["nvidia.com/gpu"] == cfg.dist.gpus_per_node
@@ -177,7 +177,8 @@ def test_the_readme_states_what_the_manifests_set():
 
 def test_the_image_runs_the_node_launcher_as_pid_1_on_a_torch_the_project_supports():
     entry = entry_command()
-    assert entry[:3] == ["python", "-m", "{{ cookiecutter.package_name }}.tools.launch"]  # exec form, no shell as PID 1
+    # exec form: no shell as PID 1
+    assert entry[:3] == ["python", "-m", "{{ cookiecutter.package_name }}.tools.launch"]
     (base,) = dockerfile("FROM")
     torch_version = tuple(int(part) for part in base.split(":")[1].split("-")[0].split(".")[:2])
     assert base.startswith("pytorch/pytorch:") and torch_version >= (2, 4)  # pyproject: torch>=2.4
@@ -253,7 +254,7 @@ def test_sigterm_to_each_pods_pid_1_checkpoints_within_the_grace_period_and_a_re
         results = finish(pods, timeout=grace_seconds())
     assert [code for code, _, _ in results] == [preemption.PREEMPTED_EXIT_CODE] * 2, errors(results)
     assert time.monotonic() - stopped < grace_seconds()
-    saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
+    saved = newest_checkpoint(tmp_path / "smoke").name
     step = int(saved.removeprefix("step_").removesuffix(".pt"))
     # the Job replaces both pods (podFailurePolicy ignores exit 75); they resume from runs/
     restarted = start_pods(tmp_path, trainjob_env(launch.free_port(os.getpid() + 1)), f"train.max_steps={step + 10}")

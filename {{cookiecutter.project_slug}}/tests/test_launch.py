@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT, project_env
 
-from {{ cookiecutter.package_name }} import preemption
+from {{ cookiecutter.package_name }} import cpus, preemption
 from {{ cookiecutter.package_name }}.tools import launch
 from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
@@ -87,12 +87,12 @@ def test_a_pods_cpu_limit_caps_the_cpus_it_sees(tmp_path, files, limit):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert launch.cpu_limit(tmp_path) == limit
-    assert launch.usable_cpus(tmp_path) == min(launch.usable_cpus(tmp_path / "none"), limit or 10**6)
+    assert cpus.cpu_limit(tmp_path) == limit
+    assert cpus.usable_cpus(tmp_path) == min(cpus.usable_cpus(tmp_path / "none"), limit or 10**6)
 
 
 @pytest.mark.parametrize(
-    ("env", "affinity", "cpus"),
+    ("env", "affinity", "owned"),
     [
         ({}, 16, 16),  # no SLURM: the affinity mask
         ({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "32", "SLURM_CPUS_ON_NODE": "64"}, 128, 32),  # unbound task
@@ -103,14 +103,14 @@ def test_a_pods_cpu_limit_caps_the_cpus_it_sees(tmp_path, files, limit):
         ({"SLURM_CPUS_ON_NODE": ""}, 8, 8),
     ],
 )
-def test_cpus_owned_under_slurm(env, affinity, cpus):
-    assert launch.job_cpus(env, affinity) == cpus
+def test_cpus_owned_under_slurm(env, affinity, owned):
+    assert cpus.job_cpus(env, affinity) == owned
 
 
-@pytest.mark.parametrize(("cpus", "processes", "threads"), [(64, 8, 8), (1, 8, 1), (7, 8, 1), (10, 4, 2)])
-def test_threads_are_shared_out_and_never_0(cpus, processes, threads):
-    # the old sbatch computed SLURM_CPUS_ON_NODE / GPUS_PER_NODE: 0 threads with fewer CPUs than GPUs
-    assert launch.threads_per_process(cpus, processes) == threads
+@pytest.mark.parametrize(("owned", "processes", "threads"), [(64, 8, 8), (1, 8, 1), (7, 8, 1), (10, 4, 2)])
+def test_threads_are_shared_out_and_never_0(owned, processes, threads):
+    # SLURM_CPUS_ON_NODE / GPUS_PER_NODE would give 0 threads with fewer CPUs than GPUs
+    assert cpus.threads_per_process(owned, processes) == threads
 
 
 def test_prepare_sizes_threads_from_slurms_allocation():

@@ -1,6 +1,7 @@
 """Evaluation counts every sample exactly once; sums are reduced, not means; the step time is split."""
 
 import json
+import math
 import time
 
 import pytest
@@ -8,7 +9,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.metrics import Throughput, Totals, TrainingLog, real_sample_mask
+from {{ cookiecutter.package_name }}.metrics import Totals, TrainingLog, real_sample_mask
+from {{ cookiecutter.package_name }}.profiling import StepClock
+from {{ cookiecutter.package_name }}.samples import Throughput
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -36,7 +39,7 @@ class RecordingBoard:
     def __init__(self):
         self.records = []
 
-    def write(self, record, extra=None):
+    def write(self, record):
         self.records.append(record)
 
     def close(self):
@@ -47,16 +50,19 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
     board = RecordingBoard()
     log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0, board=board)
+    clock = StepClock(info.device)
     for _ in range(2):  # as train_one_epoch times a step
-        with log.clock.data_wait:
+        with clock.data_wait:
             time.sleep(0.02)
-        with log.clock.fwd_bwd:
+        with clock.fwd_bwd:
             time.sleep(0.06)
-        log.record(torch.tensor(4.0), terms=2.0, samples=2)
-        with log.clock.optimizer:
+        with clock.optimizer:
             time.sleep(0.005)
-    record = log.flush(step=2, epoch=0, lr=0.1)
+        log.record(torch.tensor(4.0), terms=2.0, samples=2)
+    window = log.flush(step=2, epoch=0, lr=0.1, seconds=clock.read(), stop_requested=False)
+    record = window.record
     assert record["loss"] == 2.0 and record["start_step"] == 0 and record["kind"] == "train"
+    assert window.first_step == 1 and window.losses_finite and not window.stop_requested
     # each phase gets its own sleep, never less; a sleep overshoots on a loaded machine, by less
     # than the gaps between them
     slept = {"data_wait_ms": 20, "fwd_bwd_ms": 60, "optimizer_ms": 5}
@@ -67,7 +73,10 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     assert "ms/step: fwd+bwd" in capsys.readouterr().out
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert board.records == [written] and "stop" not in written
-    assert log.flush(step=4, epoch=0, lr=0.1)["fwd_bwd_ms"] == 0  # the clock restarts each window
+    log.record(torch.tensor(math.nan), terms=2.0, samples=2)
+    window = log.flush(step=4, epoch=0, lr=0.1, seconds=clock.read(), stop_requested=True)
+    assert window.record["fwd_bwd_ms"] == 0  # the clock restarts each window
+    assert window.first_step == 3 and not window.losses_finite and window.stop_requested
     log.close()
     assert board.records[-1] == "closed"
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, project_env, train_losses, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, newest_checkpoint, project_env, train_losses, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, preemption
 from {{ cookiecutter.package_name }}.tools import launch
@@ -64,9 +64,8 @@ def worker_of(node: subprocess.Popen) -> int:
 def test_a_killed_worker_makes_both_nodes_re_form_and_resume(tmp_path):
     start = time.monotonic()
     nodes = start_nodes(tmp_path, "train.max_steps=20", "checkpoint.every_steps=5", max_restarts=2)
-    latest = tmp_path / "smoke" / "checkpoints" / "latest"
     try:
-        wait_for(latest.exists, timeout=40)
+        wait_for(lambda: newest_checkpoint(tmp_path / "smoke") is not None, timeout=40)
         os.kill(worker_of(nodes[1]), signal.SIGKILL)
     finally:
         results = finish(nodes, timeout=45)
@@ -90,7 +89,7 @@ def test_a_stop_on_one_node_checkpoints_every_node_and_ends_both(tmp_path):
     codes = [code for code, _, _ in results]
     assert codes == [preemption.PREEMPTED_EXIT_CODE] * 2, "\n".join(err[-3000:] for _, _, err in results)
     assert time.monotonic() - stopped < 30  # the other node did not restart into a lost rendezvous
-    saved = (tmp_path / "smoke" / "checkpoints" / "latest").read_text()
+    saved = newest_checkpoint(tmp_path / "smoke").name
     step = int(saved.removeprefix("step_").removesuffix(".pt"))
     assert any(f"preempted at step {step}: checkpoint written" in stdout for _, stdout, _ in results)
     assert len(train_losses(tmp_path / "smoke")) >= 1

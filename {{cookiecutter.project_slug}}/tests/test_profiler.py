@@ -8,8 +8,9 @@ from conftest import torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.profiling import profile_window
 from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.tools.profiling import profile_window
+from {{ cookiecutter.package_name }}.rundir import RunDir
 
 
 def info(rank: int) -> DistInfo:
@@ -18,10 +19,11 @@ def info(rank: int) -> DistInfo:
 
 def test_off_by_default_and_only_rank_0_unless_every_rank_is_asked_for(tmp_path):
     assert config.load().run.profile_steps is None
-    assert profile_window(None, "main", tmp_path, info(0)) is None
-    assert profile_window([2, 4], "main", tmp_path, info(0)).path == tmp_path / "profile" / "rank0.pt.trace.json"
-    assert profile_window([2, 4], "main", tmp_path, info(1)) is None
-    assert profile_window([2, 4], "all", tmp_path, info(1)).path == tmp_path / "profile" / "rank1.pt.trace.json"
+    run_dir = RunDir(tmp_path)
+    assert profile_window(None, "main", run_dir, info(0)) is None
+    assert profile_window([2, 4], "main", run_dir, info(0)).path == tmp_path / "profile" / "rank0.pt.trace.json"
+    assert profile_window([2, 4], "main", run_dir, info(1)) is None
+    assert profile_window([2, 4], "all", run_dir, info(1)).path == tmp_path / "profile" / "rank1.pt.trace.json"
 
 
 @pytest.mark.parametrize("window", ["[5, 3]", "[0, 3]", "[4]", "5", "[1.5, 3]"])

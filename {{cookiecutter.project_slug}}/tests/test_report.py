@@ -8,6 +8,7 @@ import yaml
 from conftest import PACKAGE, read_metrics, run, train_args
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -16,6 +17,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def window(step: int, start_step: int, elapsed: float, loss: float) -> dict:
     split = {"step_ms": 10.0, "data_wait_ms": 1.0, "fwd_bwd_ms": 6.0, "optimizer_ms": 2.0, "other_ms": 1.0}
     return {
+        "kind": "train",
         "step": step,
         "epoch": 0,
         "loss": loss,
@@ -32,11 +34,11 @@ def window(step: int, start_step: int, elapsed: float, loss: float) -> dict:
 def write_resumed_run(run_dir, lr=0.01):
     """Attempt 1 logs steps 5-30 and an eval at 30, then dies; attempt 2 resumes from step 20."""
     first = [window(s, 0, s / 10, 2.0) for s in range(5, 35, 5)] + [
-        {"step": 30, "eval_accuracy": 0.9, "eval_samples": 9}
+        {"kind": "eval", "step": 30, "eval_accuracy": 0.9, "eval_samples": 9}
     ]
     second = [window(s, 20, (s - 20) / 10, 1.0) for s in range(25, 45, 5)]
-    second += [{"step": 40, "epoch": 0, "eval_loss": 0.5, "eval_accuracy": 0.8, "eval_samples": 9}]
-    second += [{"step": 40, "summary": {"steps": 40, "wall_s": 2.5, "samples_per_s": 1.0}}]
+    second += [{"kind": "eval", "step": 40, "epoch": 0, "eval_loss": 0.5, "eval_accuracy": 0.8, "eval_samples": 9}]
+    second += [{"kind": "summary", "step": 40, "summary": {"steps": 40, "wall_s": 2.5, "samples_per_s": 1.0}}]
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + second))
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"run": {"name": run_dir.name}, "train": {"lr": lr}}))
@@ -44,7 +46,7 @@ def write_resumed_run(run_dir, lr=0.01):
 
 def test_a_resumed_attempt_supersedes_what_was_logged_after_its_checkpoint(tmp_path):
     write_resumed_run(tmp_path / "a")
-    loaded = report.read_run(tmp_path / "a", "a")
+    loaded = report.read_run(RunDir(tmp_path / "a"), "a")
     assert [r["step"] for r in loaded.train] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert [r["loss"] for r in loaded.train] == [2.0] * 4 + [1.0] * 4
     assert [e["step"] for e in loaded.evals] == [40]  # the eval at 30 belonged to the superseded attempt
@@ -54,7 +56,7 @@ def test_a_resumed_attempt_supersedes_what_was_logged_after_its_checkpoint(tmp_p
 def test_the_summary_compares_runs_and_shows_the_settings_that_differ(tmp_path):
     write_resumed_run(tmp_path / "a", lr=0.01)
     write_resumed_run(tmp_path / "b", lr=0.03)
-    text = report.summary([report.read_run(tmp_path / name, name) for name in "ab"], ("accuracy", "max"))
+    text = report.summary([report.read_run(RunDir(tmp_path / name), name) for name in "ab"], ("accuracy", "max"))
     assert "| | a | b |" in text and "| train.lr | `0.01` | `0.03` |" in text
     assert "| steps | 40 | 40 |" in text and "| wall time | 5.5 s | 5.5 s |" in text
     assert "| best eval accuracy | 0.8000 at step 40 | 0.8000 at step 40 |" in text

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, descendants, project_env, run, wait_for
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, descendants, newest_checkpoint, project_env, run, wait_for
 
 from {{ cookiecutter.package_name }}.tools import launch
 
@@ -191,7 +191,7 @@ def test_time_limit_warning_checkpoints_on_every_rank_and_requeues(tmp_path):
         job.kill()
     assert job.returncode == 0, stderr
     assert "forcing job termination" not in stderr  # the step was not killed
-    saved = (out / "slurm-4242" / "checkpoints" / "latest").read_text()
+    saved = newest_checkpoint(out / "slurm-4242").name
     step = int(saved.removeprefix("step_").removesuffix(".pt"))
     assert f"preempted at step {step}: checkpoint written" in stdout  # every rank stopped at one step
     assert "requeue 4242" in scontrol_calls(tmp_path)

@@ -31,11 +31,11 @@ from conftest import (
 )
 from test_faults import EVERY_10, FAULTY, assert_bit_identical, final_state, worker_pid
 
-from {{ cookiecutter.package_name }} import checkpoint, config, loaders, shards, task
+from {{ cookiecutter.package_name }} import config, extras, loaders, samplers, shards, task
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
 needs_litdata = pytest.mark.skipif(
-    importlib.util.find_spec("litdata") is None, reason=f"litdata is not installed: {shards.INSTALL}"
+    importlib.util.find_spec("litdata") is None, reason=f"litdata is not installed: {extras.install_line('litdata')}"
 )
 needs_moto = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None, reason="no S3-compatible server to test with: pip install 'moto[server]'"
@@ -46,7 +46,7 @@ CHUNKS = [chunk.tolist() for chunk in torch.randperm(43, generator=torch.Generat
 
 
 def chunk_order(world_size: int, rank: int, epoch: int = 0, skip: int = 0) -> list[int]:
-    sampler = loaders.ChunkOrderSampler(range(43), CHUNKS, num_replicas=world_size, rank=rank, seed=3)
+    sampler = samplers.ChunkOrderSampler(range(43), CHUNKS, num_replicas=world_size, rank=rank, seed=3)
     sampler.set_epoch(epoch)
     sampler.skip = skip
     return list(sampler)
@@ -75,7 +75,7 @@ def test_the_chunk_order_reads_chunk_after_chunk_and_changes_every_epoch():
 
 def test_a_run_that_never_packs_imports_neither_litdata_nor_boto3():
     code = (
-        f"import sys; from {PACKAGE} import config, shards, train; shards.datasets(config.load({SMOKE_CONFIG!r}))\n"
+        f"import sys; from {PACKAGE} import config, loaders, train; loaders.datasets(config.load({SMOKE_CONFIG!r}))\n"
         "print(sorted({'litdata', 'boto3', 'botocore'} & set(sys.modules)))"
     )
     assert run([sys.executable, "-c", code], timeout=60).stdout.strip() == "[]"
@@ -84,14 +84,14 @@ def test_a_run_that_never_packs_imports_neither_litdata_nor_boto3():
 @needs_litdata
 def test_a_folder_without_pack_json_is_one_config_error_naming_the_pack_command(tmp_path):
     (tmp_path / "train").mkdir()
-    with pytest.raises(ConfigError, match=f"{tmp_path}/pack.json does not exist.*python -m {PACKAGE}.pack"):
+    with pytest.raises(ConfigError, match=f"{tmp_path}/pack.json does not exist.*python -m {PACKAGE}.tools.pack"):
         shards.open_pack(str(tmp_path))
 
 
 def test_without_litdata_data_shards_is_one_config_error_naming_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "litdata", None)  # what an environment without it imports
     with pytest.raises(ConfigError, match=r"litdata, which is not installed: pip install -e '\.\[shards\]'"):
-        shards.datasets(config.load(SMOKE_CONFIG, [f"data.shards={tmp_path}"]))
+        loaders.datasets(config.load(SMOKE_CONFIG, [f"data.shards={tmp_path}"]))
 
 
 def test_data_shards_takes_a_folder_or_an_s3_url():
@@ -102,23 +102,22 @@ def test_data_shards_takes_a_folder_or_an_s3_url():
 
 def test_a_mid_epoch_resume_of_shards_on_another_world_size_or_order_names_why_and_what_to_do():
     in_chunks = {"data": {"shards": "/data/packed", "shards_order": "chunks"}}
+    unpacked = {"data": {"shards": None, "shards_order": "chunks"}}
     payload = {"world_size": 2, "batch_in_epoch": 3, "config": in_chunks}
-    three = loaders.DistInfo(0, 0, 3, 3, torch.device("cpu"), "gloo")
-    two = loaders.DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo")
-    problem = checkpoint.shards_resume_problem(payload, three, in_chunks)
+    problem = shards.resume_problem(payload, 3, in_chunks)
     assert "written by 2 ranks" in problem and "this run has 3" in problem and "resume on 2 ranks" in problem
-    assert checkpoint.shards_resume_problem(payload | {"batch_in_epoch": 0}, three, in_chunks) is None  # epoch end
-    assert checkpoint.shards_resume_problem(payload, two, in_chunks) is None
-    problem = checkpoint.shards_resume_problem(payload, two, {"data": {"shards": None}})
+    assert shards.resume_problem(payload | {"batch_in_epoch": 0}, 3, in_chunks) is None  # an epoch's end
+    assert shards.resume_problem(payload, 2, in_chunks) is None
+    problem = shards.resume_problem(payload, 2, unpacked)
     assert "reading /data/packed chunk by chunk, and this run reads the records in one shuffle" in problem
     # a shuffled pack's order is build_datasets's, sample for sample: switching between them mid-epoch is exact
     shuffled = {"data": {"shards": "/data/packed", "shards_order": "shuffle"}}
-    assert checkpoint.shards_resume_problem(payload | {"config": shuffled}, two, {"data": {"shards": None}}) is None
+    assert shards.resume_problem(payload | {"config": shuffled}, 2, unpacked) is None
 
 
 def pack(out, *overrides: str, env: dict | None = None, timeout: float = 120):
     """The pack command as a user runs it, on the tests' dataset, in small chunks (many of them)."""
-    command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG, *TINY]
+    command = [sys.executable, "-m", f"{PACKAGE}.tools.pack", str(out), "--config", SMOKE_CONFIG, *TINY]
     return run([*command, "--workers", "2", "--chunk-mb", "0.02", *overrides], env=env, timeout=timeout)
 
 
@@ -136,7 +135,7 @@ def test_a_pack_holds_the_records_of_build_datasets_in_order(packed):
     assert len(list((Path(packed) / "train").glob("*.bin"))) > 3  # several chunks
     order = np.load(Path(packed) / "train" / "order.npy")  # on disk, the training records in a random order
     assert sorted(order) == list(range(meta["records"]["train"])) and list(order) != sorted(order)
-    from_shards = shards.datasets(config.load(SMOKE_CONFIG, [*TINY, f"data.shards={packed}"]))
+    from_shards = loaders.datasets(config.load(SMOKE_CONFIG, [*TINY, f"data.shards={packed}"]))
     from_source = task.build_datasets(config.load(SMOKE_CONFIG, TINY))
     for split, records, samples in zip(shards.SPLITS, from_shards, from_source, strict=True):
         assert len(records) == len(samples) == meta["records"][split]
@@ -168,7 +167,7 @@ class PackJob:
 
     def __init__(self, out: Path):
         self.out, self.partial, self.marker = out, out.with_name(out.name + ".partial"), f"PACK_JOB={out}"
-        command = [sys.executable, "-m", f"{PACKAGE}.pack", str(out), "--config", SMOKE_CONFIG]
+        command = [sys.executable, "-m", f"{PACKAGE}.tools.pack", str(out), "--config", SMOKE_CONFIG]
         command += ["--chunk-mb", "0.002", "--workers", "1"]
         self.process = subprocess.Popen(
             command,

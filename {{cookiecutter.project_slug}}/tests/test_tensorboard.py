@@ -1,4 +1,5 @@
-"""TensorBoard: the tags a run writes, read back from its event files, and resumes without repeats."""
+"""TensorBoard: the scalars a run writes (the ones every sink shows), read back from its event files,
+and resumes without repeats."""
 
 import sys
 
@@ -6,14 +7,15 @@ import pytest
 import torch
 from conftest import read_metrics, run, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }} import records, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.rundir import RunDir
 
 pytest.importorskip("tensorboard", reason="TensorBoard is optional: pip install tensorboard (the viz extra)")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from {{ cookiecutter.package_name }}.tools import tensorboard as board  # noqa: E402  (after the skip)
+from {{ cookiecutter.package_name }} import tensorboard as board  # noqa: E402  (after the skip)
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
@@ -25,29 +27,32 @@ def scalars(log_dir) -> dict[str, list]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_records_become_train_time_and_eval_tags():
-    window = {"step": 5, "loss": 2.0, "lr": 0.1, "samples_per_s": 9.0, "data_wait_share": 0.1, "fwd_bwd_ms": 3.0}
-    assert board.tags(window) == {
+def test_records_become_the_scalars_every_sink_shows():
+    window = {"kind": "train", "step": 5, "epoch": 0, "loss": 2.0, "lr": 0.1, "tokens_per_s": 9.0, "mfu": 0.3}
+    window |= {"fwd_bwd_ms": 3.0, "world_size": 2, "start_step": 0}
+    assert records.scalars(window) == {
+        "train/epoch": 0.0,
         "train/loss": 2.0,
         "train/lr": 0.1,
-        "train/samples_per_s": 9.0,
-        "train/data_wait_share": 0.1,
+        "train/tokens_per_s": 9.0,
+        "train/mfu": 0.3,
         "time/fwd_bwd_ms": 3.0,
     }
-    evaluation = {"step": 5, "epoch": 0, "eval_loss": 1.5, "eval_f1": 0.7, "eval_samples": 509}
-    assert board.tags(evaluation) == {"eval/loss": 1.5, "eval/f1": 0.7}
+    evaluation = {"kind": "eval", "step": 5, "epoch": 0, "eval_loss": 1.5, "eval_f1": 0.7, "eval_samples": 509}
+    assert records.scalars(evaluation) == {"eval/loss": 1.5, "eval/f1": 0.7}
+    assert records.scalars({"kind": "summary", "step": 5, "summary": {"wall_s": 1.0}}) == {}
 
 
 def test_a_resumed_writer_hides_what_the_interrupted_one_logged_past_the_checkpoint(tmp_path):
-    first = board.Board(tmp_path, first_step=0)
+    first = board.Board(RunDir(tmp_path), first_step=0)
     for step in range(5, 35, 5):  # logged up to step 30; the last checkpoint was at step 20
-        first.write({"step": step, "loss": 1.0, "lr": 0.1, "samples_per_s": 1.0, "data_wait_share": 0.0})
+        first.write({"kind": "train", "step": step, "loss": 1.0})
     first.close()
-    resumed = board.Board(tmp_path, first_step=20)
+    resumed = board.Board(RunDir(tmp_path), first_step=20)
     for step in range(25, 45, 5):
-        resumed.write({"step": step, "loss": 2.0, "lr": 0.1, "samples_per_s": 1.0, "data_wait_share": 0.0})
+        resumed.write({"kind": "train", "step": step, "loss": 2.0})
     resumed.close()
-    assert scalars(tmp_path)["train/loss"] == [
+    assert scalars(tmp_path / "tensorboard")["train/loss"] == [
         (5, 1.0),
         (10, 1.0),
         (15, 1.0),
@@ -60,13 +65,15 @@ def test_a_resumed_writer_hides_what_the_interrupted_one_logged_past_the_checkpo
 
 
 def test_auto_without_tensorboard_notes_it_and_true_is_a_config_error(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(board, "installed", lambda: False)
-    assert board.open_board("auto", tmp_path, 0, WORLD_OF_ONE) is None
-    assert "pip install tensorboard" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="run.tensorboard"):
+    monkeypatch.setattr(board.extras, "installed", lambda package: package != "tensorboard")
+    assert board.open_board("auto", RunDir(tmp_path), 0, WORLD_OF_ONE) is None
+    assert "pip install -e '.[viz]'" in capsys.readouterr().out
+    with pytest.raises(
+        ConfigError, match=r"run.tensorboard=true needs tensorboard, which is not installed: pip install"
+    ):
         board.check(True)
     board.check("auto"), board.check(False)  # no error
-    assert board.open_board(False, tmp_path, 0, WORLD_OF_ONE) is None and not any(tmp_path.iterdir())
+    assert board.open_board(False, RunDir(tmp_path), 0, WORLD_OF_ONE) is None and not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow

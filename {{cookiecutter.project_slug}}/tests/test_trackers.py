@@ -24,12 +24,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, TINY, descendants, finish, project_env, read_metrics, wait_for
+from conftest import (
+    PROJECT,
+    SMOKE_CONFIG,
+    TINY,
+    descendants,
+    finish,
+    newest_checkpoint,
+    project_env,
+    read_metrics,
+    wait_for,
+)
 
-from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records
+from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, tracker_worker, tracking
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.tools import tracker_worker, tracking
+from {{ cookiecutter.package_name }}.rundir import RunDir
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed: pip install -e '.[mlflow]'"
@@ -44,17 +54,19 @@ def test_unknown_or_missing_trackers_are_config_errors_that_name_the_fix(monkeyp
         config.load(SMOKE_CONFIG, ["run.trackers=[neptune]"])
     with pytest.raises(ConfigError, match="is invalid"):
         config.load(SMOKE_CONFIG, ["run.trackers=[mlflow, mlflow]"])
-    monkeypatch.setattr(tracking, "installed", lambda name: False)
-    with pytest.raises(ConfigError, match=r"wandb is not installed; pip install -e '.\[wandb\]', or remove it"):
+    with pytest.raises(ConfigError, match="TensorBoard is not a tracker here but run.tensorboard"):
+        config.load(SMOKE_CONFIG, ["run.trackers=[tensorboard]"])  # the prompt's word for it
+    monkeypatch.setattr(tracking.extras, "installed", lambda name: False)
+    with pytest.raises(ConfigError, match=r"needs wandb, which is not installed: pip install -e '.\[wandb\]'"):
         tracking.check(["wandb"])
     tracking.check([])  # no trackers: nothing to find
 
 
 def test_the_tracked_run_id_is_kept_in_the_run_and_a_new_run_name_gets_its_own(tmp_path):
-    run_dir, other = tmp_path / "a", tmp_path / "b"
-    own = run_dir / "checkpoints" / "step_00000010.pt"
+    run_dir, other = RunDir(tmp_path / "a"), RunDir(tmp_path / "b")
+    own = run_dir.checkpoint(10)
     first = tracking.tracked_run_id(run_dir, None, None)  # the first start
-    assert json.loads((run_dir / "tracking" / "run.json").read_text()) == {"id": first}
+    assert json.loads((tmp_path / "a" / "tracking" / "run.json").read_text()) == {"id": first}
     assert tracking.tracked_run_id(run_dir, own, first) == first  # a resume continues the checkpoint's
     assert tracking.tracked_run_id(run_dir, own, None) == first  # a checkpoint from before a tracker was named
     assert tracking.tracked_run_id(other, own, first) != first  # another run's checkpoint: a new tracked run
@@ -69,12 +81,12 @@ def test_only_global_rank_0_starts_trackers(tmp_path):
 
 
 def test_a_resumed_start_sends_each_tracker_what_it_missed_up_to_the_checkpoint(tmp_path):
-    run_dir = tmp_path / "a"
+    run_dir = RunDir(tmp_path / "a")
     lines = [{"kind": "train", "step": s, "start_step": 0, "elapsed_s": s, "loss": 1.0} for s in (5, 10, 15, 20)]
     lines.append({"kind": "eval", "step": 20, "eval_loss": 1.0})
     lines += [{"kind": "train", "step": s, "start_step": 10, "elapsed_s": s, "loss": 0.5} for s in (15, 20, 25)]
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_dir.root.mkdir()
+    run_dir.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
     tracking.taken_file(run_dir, "mlflow", "x").parent.mkdir()
     tracking.taken_file(run_dir, "mlflow", "x").write_text(json.dumps({"train": 5}))
     missed = tracking.missed(run_dir, "mlflow", "x", first_step=20)  # the attempt that resumed at 10 went to 25
@@ -82,11 +94,7 @@ def test_a_resumed_start_sends_each_tracker_what_it_missed_up_to_the_checkpoint(
     assert [r["step"] for r in tracking.missed(run_dir, "wandb", "x", first_step=10)] == [5, 10]  # never took any
 
 
-def test_records_become_tracker_metrics_and_settings_flat_params():
-    train = {"kind": "train", "step": 10, "epoch": 0, "loss": 0.5, "lr": 1e-3, "world_size": 2, "start_step": 0}
-    assert tracker_worker.metrics_of(train) == {"train/epoch": 0.0, "train/loss": 0.5, "train/lr": 1e-3}
-    evaluation = {"kind": "eval", "step": 10, "epoch": 0, "eval_accuracy": 0.9, "eval_samples": 500}
-    assert tracker_worker.metrics_of(evaluation) == {"eval/epoch": 0.0, "eval/accuracy": 0.9, "eval/samples": 500.0}
+def test_settings_become_flat_params():
     params = tracker_worker.flat({"config": {"train": {"lr": 0.001, "compile": False}, "run": {"name": "a"}}})
     assert params == {"config.train.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
 
@@ -173,7 +181,7 @@ def stopped_and_resumed(tmp_path: Path, trackers: list[str], when_stopped, **env
         job.kill()
     assert code == preemption.PREEMPTED_EXIT_CODE, stderr[-3000:]
     when_stopped()
-    stop = int((tmp_path / "smoke" / "checkpoints" / "latest").read_text().removeprefix("step_").removesuffix(".pt"))
+    stop = int(newest_checkpoint(tmp_path / "smoke").name.removeprefix("step_").removesuffix(".pt"))
     older = tmp_path / "smoke" / "checkpoints" / f"step_{(stop - 1) // 10 * 10:08d}.pt"
     last = stop + 15
     resumed = [f"train.max_steps={last}", f"checkpoint.resume={older}", "run.tracker_checkpoint=true", named]

@@ -24,11 +24,11 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, task, train
+from {{ cookiecutter.package_name }} import checkpoint, config, dist, hardware, preemption, records, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.task import build_model
-from {{ cookiecutter.package_name }}.tools import evaluate, hardware
+from {{ cookiecutter.package_name }}.tools import evaluate
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 
@@ -125,9 +125,9 @@ def test_eval_every_keeps_its_schedule_across_a_resume_and_counts_every_sample(t
 
 def test_evaluate_names_what_to_pass_when_the_target_holds_no_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="does not exist: pass a run directory"):
-        evaluate.checkpoint_of(tmp_path / "nothing")
-    with pytest.raises(ConfigError, match="holds no checkpoint"):
-        evaluate.checkpoint_of(tmp_path)  # a directory, but not a run's
+        checkpoint.find(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="holds no loadable checkpoint: pass a run directory"):
+        checkpoint.find(tmp_path)  # a directory, but not a run's
     written = evaluate.output_of(tmp_path, tmp_path / "checkpoints" / "step_00000020.pt", None)
     assert written == tmp_path / "evaluations" / "step_00000020.json"  # a run directory's evaluations/
 
@@ -156,13 +156,13 @@ def test_compile_really_compiles_and_checkpoints_have_no_prefix(tmp_path):
     cfg = config.load(None, ["train.compile=true", "train.precision=fp32"])
     info = DistInfo.from_env()
     raw = build_model(cfg)
-    model, _ = train.wrap(raw, cfg, info)
+    model = train.wrap(raw, cfg, info)
     train_set, _ = task.build_datasets(cfg)
     batch = default_collate([train_set[i] for i in range(4)])
     counters.clear()
     task.loss_sum(model, batch).backward()
     assert counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not silently run eager
-    assert model._orig_mod is raw  # compiled module wraps the raw one, which checkpoints read
+    assert model._orig_mod is raw and dist.bare(model) is raw  # the compiled module wraps the one checkpoints read
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in raw.state_dict())
     build_model(cfg).load_state_dict(raw.state_dict())
 
@@ -253,8 +253,8 @@ def test_optimizer_step_frees_the_gradients():
     cfg = config.load(SMOKE_CONFIG)
     job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
     task.loss_sum(job.model, next(iter(job.train_loader))).backward()
-    train.optimizer_step(job.state, cfg)
-    assert all(p.grad is None for p in job.state.model.parameters())  # set_to_none=True
+    train.optimizer_step(job.model, job.state, cfg)
+    assert all(p.grad is None for p in job.model.parameters())  # set_to_none=True
 
 
 @pytest.mark.parametrize("norm, noted", [(torch.nn.BatchNorm1d(4), True), (torch.nn.LayerNorm(4), False)])
@@ -271,7 +271,7 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
     job = train.build(cfg, world_of_one)
     job.state.step = 4
-    train.save_checkpoint(job.state, cfg, world_of_one)  # the last checkpoint of a finished run
+    train.save_checkpoint(job, cfg, world_of_one)  # the last checkpoint of a finished run
     files = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     capsys.readouterr()
     previous = signal.getsignal(preemption.WORKER_STOP_SIGNAL)  # in case train.main traps it

@@ -68,7 +68,7 @@ def logged(cfg: config.Config, key: str) -> list:
 def test_run_seed_alone_decides_the_initial_weights():
     def initial_weights(seed: int, earlier_draws: int) -> dict:
         torch.manual_seed(earlier_draws)  # whatever used torch's generator before the build
-        return train.build(config.load(SMOKE_CONFIG, [f"run.seed={seed}"]), WORLD_OF_ONE).state.model.state_dict()
+        return train.build(config.load(SMOKE_CONFIG, [f"run.seed={seed}"]), WORLD_OF_ONE).model.state_dict()
 
     first, again, other = initial_weights(7, 1), initial_weights(7, 2), initial_weights(8, 1)
     assert all(torch.equal(first[name], again[name]) for name in first)  # seeded before the model is built
@@ -123,14 +123,13 @@ def test_the_step_clips_the_true_gradient_when_a_grad_scaler_scales_the_loss():
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     state = TrainState(
-        model=model,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0),
         scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12),
     )
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     state.scaler.scale(model(torch.ones(8, 4)).sum()).backward()  # a gradient norm of about 18
-    train.optimizer_step(state, config.load(SMOKE_CONFIG, ["train.grad_clip=0.01"]))
+    train.optimizer_step(model, state, config.load(SMOKE_CONFIG, ["train.grad_clip=0.01"]))
     update = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
     assert torch.linalg.vector_norm(update).item() == pytest.approx(0.01, rel=1e-4)
 
@@ -141,7 +140,7 @@ def test_a_resumed_run_draws_the_random_numbers_an_uninterrupted_run_draws(train
     monkeypatch.setattr(task, "loss_sum", lambda model, batch: loss_sum(model, batch) * (0.5 + torch.rand(())))
     overrides = ("train.max_steps=8", "checkpoint.every_steps=3", "checkpoint.keep_last=5")
     cfg = train_here(*overrides)
-    last = checkpoint.checkpoint_dir(cfg.run_dir) / "step_00000008.pt"
+    last = cfg.run_dir.checkpoint(8)
     uninterrupted = checkpoint.load_file(last)
     last.unlink()  # as if the run had been killed after step 6's checkpoint, mid-epoch
     train_here(*overrides)
@@ -152,7 +151,7 @@ def test_a_resumed_run_draws_the_random_numbers_an_uninterrupted_run_draws(train
 
 def test_a_nan_loss_stops_the_run_before_a_checkpoint_is_written_from_it(train_here, monkeypatch, tmp_path):
     steps_done, loss_sum, optimizer_step = [], task.loss_sum, train.optimizer_step
-    monkeypatch.setattr(train, "optimizer_step", lambda state, cfg: steps_done.append(optimizer_step(state, cfg)))
+    monkeypatch.setattr(train, "optimizer_step", lambda *args: steps_done.append(optimizer_step(*args)))
 
     def nan_from_step_5(model, batch):
         return loss_sum(model, batch) * (math.nan if len(steps_done) >= 4 else 1)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import IGNORE, build_datasets
-from .loaders import move_to as to_device
-from .metrics import Throughput
 from .model import build_model
+from .samples import Throughput
+from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

@@ -17,7 +17,6 @@ import re
 import sys
 import types
 import typing
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -26,25 +25,13 @@ import yaml
 
 from .data import DatasetConfig
 from .model import ModelConfig
-from .rules import ConfigError, PositiveFloat, PositiveInt, Rule
+from .rules import ConfigError, PositiveFloat, PositiveInt, Rule, exit_on_user_error
+from .rundir import RunDir
+from .tracker_worker import TRACKERS
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
 ShardsOrder = Literal["chunks", "shuffle"]
-
-
-@contextmanager
-def exit_on_user_error():
-    """A problem the user can fix ends the process with its message, one prefixed line per
-    problem, and exit code 2."""
-    try:
-        yield
-    except ConfigError as err:
-        # one write with its newline: under torchrun (`python -u`) print writes the newline
-        # separately, and the ranks' lines interleave
-        sys.stderr.write(err.lines())
-        sys.stderr.flush()
-        raise SystemExit(2) from None
 
 
 NonNegative = Annotated[float, Rule(lambda v: v >= 0, "use >= 0")]
@@ -64,10 +51,14 @@ ShardsLocation = Annotated[
 
 
 def known_trackers_once(names: list) -> bool:
-    return all(name in ("wandb", "mlflow") for name in names) and len(set(names)) == len(names)
+    return all(name in TRACKERS for name in names) and len(set(names)) == len(names)
 
 
-Trackers = Annotated[list, Rule(known_trackers_once, "name wandb, mlflow once each, e.g. [wandb, mlflow]")]
+TRACKERS_FIX = (
+    f"name {', '.join(TRACKERS)} once each, e.g. [{', '.join(TRACKERS)}]; TensorBoard is not a tracker "
+    "here but run.tensorboard"
+)
+Trackers = Annotated[list, Rule(known_trackers_once, TRACKERS_FIX)]
 PeakTflops = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or v > 0, "use auto or a positive number")]
 StepWindow = Annotated[
     list | None,
@@ -154,8 +145,8 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.run.out_dir) / self.run.name
+    def run_dir(self) -> RunDir:
+        return RunDir(Path(self.run.out_dir) / self.run.name)
 
 
 def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:

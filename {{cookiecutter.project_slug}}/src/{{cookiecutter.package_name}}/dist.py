@@ -22,10 +22,11 @@ from typing import TypeVar
 import numpy as np
 import torch
 import torch.distributed as torch_dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import preemption
-from .rules import ConfigError
-from .tools import launch
+from . import preemption, rendezvous
+from .rules import ConfigError, tell_user
 
 Built = TypeVar("Built")
 
@@ -38,7 +39,6 @@ class DistInfo:
     local_world_size: int  # processes on this node; shares CPUs and GPUs
     device: torch.device
     backend: str  # nccl on CUDA, gloo on CPU; "none" for a world of one
-    restart: int = 0  # how often torchrun has restarted the workers (--max-restarts)
 
     @property
     def is_main(self) -> bool:
@@ -62,7 +62,6 @@ class DistInfo:
             device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
             # gloo on GPUs bounces every gradient through host memory: nccl or nothing there
             backend=("nccl" if cuda else "gloo") if world_size > 1 else "none",
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )
 
 
@@ -104,21 +103,17 @@ def run_in_group(info: DistInfo, timeout_minutes: float, work: Callable[[], int]
     calls std::terminate.
     """
     init(info, timeout_minutes)
-    code, returned = exit_code(info, work)
+    code, returned = run_work(info, work)
     teardown(info, orderly=returned)  # after an exception a peer may be elsewhere: no barrier then
     return code
 
 
-def exit_code(info: DistInfo, work: Callable[[], int]) -> tuple[int, bool]:
-    """(the exit code, whether `work()` returned instead of raising)."""
+def run_work(info: DistInfo, work: Callable[[], int]) -> tuple[int, bool]:
+    """Run `work()`: (its exit code, or the one an exception ends it with; whether it returned)."""
     try:
         return work(), True
     except ConfigError as err:
-        # one write with its newline: under torchrun (`python -u`) print writes the newline
-        # separately, and the ranks' lines interleave
-        sys.stderr.write(err.lines())
-        sys.stderr.flush()
-        return 2, False
+        return tell_user(err), False
     except SystemExit as stop:
         return (stop.code if isinstance(stop.code, int) else 1), False
     except BaseException as err:  # KeyboardInterrupt too: the group must still go before exit
@@ -139,7 +134,7 @@ def init(info: DistInfo, timeout_minutes: float) -> None:
 
         timeout = datetime.timedelta(minutes=timeout_minutes)
         store, _, _ = next(torch_dist.rendezvous("env://", timeout=timeout))
-        prefix = store_prefix(info)
+        prefix = rendezvous.store_prefix(os.environ)  # keys no worker of an earlier attempt wrote
         torch_dist.init_process_group(
             backend=info.backend,
             store=torch_dist.PrefixStore(prefix, store) if prefix else store,
@@ -148,21 +143,6 @@ def init(info: DistInfo, timeout_minutes: float) -> None:
             timeout=timeout,
             device_id=info.device if info.device.type == "cuda" else None,  # NCCL: this GPU, no guess
         )
-
-
-def store_prefix(info: DistInfo) -> str:
-    """A key prefix that no dead worker of an earlier attempt has written under.
-
-    The node launcher has torchrun give every rendezvous round a fresh store (served by that
-    round's rank 0: TORCHELASTIC_USE_AGENT_STORE=False), so nothing stale can be read. Where
-    workers share the agents' long-lived store instead (plain torchrun, static rendezvous),
-    the restart count is the only per-attempt value in the environment; it is one node's count,
-    though, and a node that restarts because another one rejoined does not count it (torch's
-    "membership changes do not count as retries"), so multi-node restarts need the launcher.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
-        return ""
-    return f"attempt{info.restart}/"
 
 
 def teardown(info: DistInfo, orderly: bool = True) -> None:
@@ -183,20 +163,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def cpus_available() -> int:
-    """CPUs this process may run on: the affinity mask (taskset, cgroups cpusets, SLURM binding),
-    capped by a cgroup CPU limit (a pod's) and by SLURM's allocation where SLURM does not bind
-    (the node launcher sizes threads alike)."""
-    return launch.job_cpus(os.environ, launch.usable_cpus())
-
-
-def intra_op_threads(local_world_size: int) -> int:
-    """Threads for one rank: OMP_NUM_THREADS when set (the user's, or the node launcher's),
-    else the rank's share of the CPUs, so ranks on a node do not oversubscribe them."""
-    chosen = launch.positive_int(os.environ.get("OMP_NUM_THREADS"))
-    return chosen or launch.threads_per_process(cpus_available(), local_world_size)
 
 
 def shared_dir_problem(info: DistInfo, directory: Path) -> str | None:
@@ -300,6 +266,19 @@ def shareable(error: Exception | None) -> ConfigError | str | None:
 def barrier() -> None:
     if torch_dist.is_initialized():
         torch_dist.barrier()
+
+
+def without_ddp(model: nn.Module) -> nn.Module:
+    """The module DDP wraps (compiled, if it was): calling it runs no collective, so ranks may
+    evaluate different numbers of batches."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def bare(model: nn.Module) -> nn.Module:
+    """The module under the DDP and torch.compile wrappers: its state_dict keys are the model's
+    own, without module. or _orig_mod. prefixes."""
+    model = without_ddp(model)
+    return getattr(model, "_orig_mod", model)
 
 
 def broadcast_buffers(module: torch.nn.Module) -> None:

@@ -1,8 +1,10 @@
-"""Metrics that are exact across ranks: reduce sums and counts, never means."""
+"""Metrics that are exact across ranks (reduce sums and counts, never means), and the training
+log: metrics.jsonl, the console and the sinks (TensorBoard, the trackers) on rank 0."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -14,21 +16,11 @@ from tqdm import tqdm
 
 from . import records
 from .dist import DistInfo, all_reduce_sum
-from .tools.profiling import ProfileWindow, StepClock
-from .tools.tensorboard import Board
+from .samples import Throughput
 
 if TYPE_CHECKING:
-    from .tools.tracking import Trackers
-
-
-@dataclass(frozen=True)
-class Throughput:
-    """What one training sample is worth in the log: `per_sample` units called `unit` (tokens,
-    say), and the training FLOPs (forward + backward) per unit, or None where not estimated."""
-
-    unit: str = "samples"
-    per_sample: float = 1
-    flops_per_unit: float | None = None
+    from .tensorboard import Board
+    from .tracking import Trackers
 
 
 class Totals:
@@ -68,23 +60,33 @@ def real_sample_mask(first_position: int, batch_size: int, info: DistInfo, datas
     return positions * info.world_size + info.rank < dataset_size
 
 
-def evaluation_line(step: int, epoch: int, results: dict) -> str:
-    shown = " | ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in results.items() if k != "eval_samples")
-    return f"eval step {step} | epoch {epoch} | {shown} | {results['eval_samples']} samples"
+def evaluation_line(record: dict) -> str:
+    shown = " | ".join(f"{name} {value:.4f}" for name, value in records.eval_metrics(record).items())
+    return f"eval step {record['step']} | epoch {record['epoch']} | {shown} | {record[records.EVAL_SAMPLES]} samples"
+
+
+@dataclass(frozen=True)
+class Window:
+    """A log window as every rank agrees on it, after one all-reduce: its record, and what the
+    loop decides from it."""
+
+    record: dict
+    first_step: int  # the window's first optimizer step
+    losses_finite: bool  # every loss of the window, on every rank, was finite
+    stop_requested: bool  # a stop request (preemption.PreemptionFlag) reached at least one rank
 
 
 class TrainingLog:
-    """Loss, throughput and where the step time goes, over each logging window, exact across ranks.
+    """Loss, throughput and where the step time goes, over each log window, exact across ranks.
 
-    `record()` runs every optimizer step and costs one device add and no host sync; the loop
-    times its phases with `clock` (profiling.StepClock). `flush()` reduces the window's sums over
-    ranks (a collective: every rank calls it at the same step). It records and writes; what to do
-    about the values (stop, a non-finite loss) the loop decides. Rank 0 appends every record to
-    metrics.jsonl, writes it to TensorBoard when `board` is given, and prints the log, evaluation
-    and summary lines. `trackers` (tracking.Trackers, rank 0's W&B/MLflow, or None) are sent the
-    same records. `profiler` (a profiling.ProfileWindow, or None) traces the steps of
-    run.profile_steps. Use it as a context manager: leaving closes the bar, profiler and board,
-    and tells the trackers the run ended: finished (after `summary`), failed (an error) or
+    `record()` runs every optimizer step and costs one device add and no host sync. `flush()`
+    ends the window: one all-reduce of its sums, the seconds of its phases (profiling.StepClock)
+    and the ranks' stop requests (a collective: every rank calls it at the same step). It
+    records and writes; what to do about the values (stop, a non-finite loss) the loop decides.
+    Rank 0 appends every record to metrics.jsonl, writes it to TensorBoard when `board` is given,
+    sends it to `trackers` (tracking.Trackers, rank 0's W&B/MLflow, or None), and prints the log,
+    evaluation and summary lines. Use it as a context manager: leaving closes the bar and the
+    board, and tells the trackers the run ended: finished (after `summary`), failed (an error) or
     preempted.
     """
 
@@ -96,19 +98,17 @@ class TrainingLog:
         first_step: int,
         board: Board | None = None,
         trackers: Trackers | None = None,
-        profiler: ProfileWindow | None = None,
-        throughput: Throughput = Throughput(),
+        throughput: Throughput | None = None,
         peak: tuple[float | None, str] = (None, "no peak figure given"),
     ):
         self.info = info
-        self.throughput = throughput
+        self.throughput = throughput or Throughput()
         self.peak_flops, self.peak_source = peak  # one device's peak FLOP/s, and where it comes from
         self.jsonl_path = Path(jsonl_path)
         if info.is_main:
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        self.board, self.trackers, self.profiler = board, trackers, profiler
+        self.board, self.trackers = board, trackers
         self.finished, self.final_checkpoint = False, None  # set by `summary`
-        self.clock = StepClock(info.device)
         self.bar = tqdm(
             total=total_steps,
             initial=first_step,
@@ -118,6 +118,7 @@ class TrainingLog:
         self.evaluations: list[dict] = []
         self.first_step = first_step  # where this attempt began: 0, or a resumed checkpoint's step
         self.run_start, self.run_samples = time.perf_counter(), 0
+        self.window_first_step = first_step + 1
         self.reset()
 
     def reset(self) -> None:
@@ -132,15 +133,14 @@ class TrainingLog:
         self.samples += samples
         self.steps += 1
 
-    def flush(self, step: int, epoch: int, lr: float) -> dict:
-        """Reduce, write and print the window's record; returns it."""
-        seconds = self.clock.read()  # on CUDA: waits for the window's last event, as the reduction would
-        host = [self.terms, self.samples, *seconds.values(), *self.peak_memory_slots()]
+    def flush(self, step: int, epoch: int, lr: float, seconds: dict[str, float], stop_requested: bool) -> Window:
+        """End the window at `step`: reduce it over ranks, write and print its record.
+        `seconds`: this rank's time per phase in the window (StepClock.read())."""
+        host = [self.terms, self.samples, float(stop_requested), *seconds.values(), *self.peak_memory_slots()]
         local = torch.cat([self.loss_sum.view(1), torch.tensor(host, dtype=torch.float64).to(self.info.device)])
-        sums = all_reduce_sum(local).tolist()
-        loss_sum, terms, samples = sums[:3]
-        phases = dict(zip(seconds, sums[3 : 3 + len(seconds)], strict=True))  # seconds summed over ranks
-        peaks = sums[3 + len(seconds) :]
+        loss_sum, terms, samples, stops, *rest = all_reduce_sum(local).tolist()
+        phases = dict(zip(seconds, rest[: len(seconds)], strict=True))  # seconds summed over ranks
+        peaks = rest[len(seconds) :]
         elapsed = time.perf_counter() - self.window_start
         self.run_samples += int(samples)
         record = {
@@ -159,7 +159,7 @@ class TrainingLog:
         record |= self.speed(samples / elapsed)
         if peaks:
             record["peak_mem_gib"] = max(peaks)
-        self.write(record, {f"memory/peak_gib_rank{rank}": peak for rank, peak in enumerate(peaks)})
+        self.write(record)
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", speed=self.speed_text(record))
         if self.bar.disable:
@@ -169,8 +169,11 @@ class TrainingLog:
                 f"{record['step_ms']:.1f} ms/step: fwd+bwd {record['fwd_bwd_ms']:.1f}, "
                 f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"
             )
+        # a sum is finite only if every term was: the window's losses on every rank are one number
+        window = Window(record, self.window_first_step, math.isfinite(loss_sum), stops > 0)
+        self.window_first_step = step + 1
         self.reset()
-        return record
+        return window
 
     def speed(self, samples_per_s: float) -> dict[str, float]:
         """Samples/s over every rank; the task's units/s; MFU: the model's FLOPs done per second
@@ -217,10 +220,11 @@ class TrainingLog:
         return slots
 
     def evaluation(self, step: int, epoch: int, results: dict) -> None:
-        """Record and print one evaluation (rank 0 writes; every rank keeps the history)."""
+        """Record and print one evaluation (`results`: records.evaluation's fields); rank 0 writes,
+        every rank keeps the history."""
         self.evaluations.append({"kind": records.EVAL, "step": step, "epoch": epoch, **results})
         self.write(self.evaluations[-1])
-        self.print(evaluation_line(step, epoch, results))
+        self.print(evaluation_line(self.evaluations[-1]))
 
     def summary(self, steps: int, main_metric: tuple[str, str], run_dir: Path, checkpoint: Path | None = None) -> str:
         """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
@@ -232,23 +236,22 @@ class TrainingLog:
         summary = {"steps": steps, "attempt_steps": ran, "wall_s": wall, **self.speed(self.run_samples / wall)}
         timed = f" in {wall:.1f} s" if ran == steps else f", {ran} of them in this attempt's {wall:.1f} s"
         line = f"done: {steps} steps{timed} ({self.speed_text(summary, ', ')})"
-        name, goal = main_metric
-        key = f"eval_{name}"
-        scored = [e for e in self.evaluations if key in e]
+        name, key = main_metric[0], records.EVAL_PREFIX + main_metric[0]
+        scored = records.best_and_final(self.evaluations, main_metric)
         if scored:
-            best = (max if goal == "max" else min)(scored, key=lambda e: e[key])
-            line += f"; eval {name}: best {best[key]:.4f} at step {best['step']}, final {scored[-1][key]:.4f}"
-            summary |= {f"best_{key}": best[key], "best_step": best["step"], f"final_{key}": scored[-1][key]}
+            best, final = scored
+            line += f"; eval {name}: best {best[key]:.4f} at step {best['step']}, final {final[key]:.4f}"
+            summary |= {f"best_{key}": best[key], "best_step": best["step"], f"final_{key}": final[key]}
         self.write({"kind": records.SUMMARY, "step": steps, "summary": summary})
         return f"{line}; outputs in {run_dir}"
 
-    def write(self, record: dict, extra: dict[str, float] | None = None) -> None:
-        """On rank 0: append one JSON line, and the same values to TensorBoard and the trackers."""
+    def write(self, record: dict) -> None:
+        """On rank 0: append one JSON line, and the same record to TensorBoard and the trackers."""
         if self.info.is_main:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if self.board is not None:
-                self.board.write(record, extra)
+                self.board.write(record)
             if self.trackers is not None:
                 self.trackers.write(record)
 
@@ -267,10 +270,8 @@ class TrainingLog:
         self.close(failed=error_type is not None)
 
     def close(self, failed: bool = False) -> None:
-        """Finish the progress bar, an open profiler window and the TensorBoard file; end the tracked runs."""
+        """Finish the progress bar and the TensorBoard file; end the tracked runs."""
         self.bar.close()
-        if self.profiler is not None:
-            self.profiler.close()
         if self.board is not None:
             self.board.close()
         if self.trackers is not None:

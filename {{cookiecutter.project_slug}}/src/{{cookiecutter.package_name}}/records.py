@@ -1,10 +1,9 @@
-"""The records of metrics.jsonl, one JSON object a line, each marked with its kind.
+"""The records of metrics.jsonl, one JSON object a line, each marked with its kind, and the one
+mapping from a record to the scalars every sink shows (TensorBoard, W&B, MLflow).
 
     {"kind": "train", "step": 10, "loss": ..., "lr": ..., "samples_per_s": ..., ...}   a log window
     {"kind": "eval", "step": 10, "eval_loss": ..., "eval_samples": ...}                 an evaluation
     {"kind": "summary", "step": 600, "summary": {...}}                                  the end of an attempt
-
-Every reader asks `kind_of(record)` instead of guessing from the keys a record has.
 """
 
 from __future__ import annotations
@@ -13,13 +12,9 @@ import json
 from pathlib import Path
 
 TRAIN, EVAL, SUMMARY = "train", "eval", "summary"
-
-
-def kind_of(record: dict) -> str:
-    """The record's kind; files written before records carried one are read by their keys."""
-    if "kind" in record:
-        return record["kind"]
-    return SUMMARY if "summary" in record else EVAL if "eval_samples" in record else TRAIN
+EVAL_PREFIX = "eval_"  # an evaluation's metrics sit beside its step, so they carry a prefix
+EVAL_SAMPLES = "eval_samples"
+POSITION = ("kind", "step", "start_step", "world_size")  # when and where a record was made: not scalars
 
 
 def read(path: str | Path) -> list[dict]:
@@ -27,7 +22,47 @@ def read(path: str | Path) -> list[dict]:
 
 
 def of_kind(records: list[dict], kind: str) -> list[dict]:
-    return [record for record in records if kind_of(record) == kind]
+    return [record for record in records if record["kind"] == kind]
+
+
+def evaluation(metrics: dict[str, float], samples: int) -> dict:
+    """An evaluation's fields as metrics.jsonl holds them: eval_<metric> for each metric, eval_samples."""
+    return {EVAL_PREFIX + name: value for name, value in metrics.items()} | {EVAL_SAMPLES: samples}
+
+
+def eval_metrics(record: dict) -> dict[str, float]:
+    """An evaluation's metrics by their task's names (task.metrics)."""
+    return {
+        key.removeprefix(EVAL_PREFIX): value
+        for key, value in record.items()
+        if key.startswith(EVAL_PREFIX) and key != EVAL_SAMPLES
+    }
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The numbers of a train or eval record by the tag every sink shows them under: train/loss,
+    train/lr, train/tokens_per_s, train/mfu, time/fwd_bwd_ms, eval/accuracy, ..."""
+    if record["kind"] == EVAL:
+        return {f"eval/{name}": float(value) for name, value in eval_metrics(record).items()}
+    if record["kind"] != TRAIN:
+        return {}
+    numbers = {
+        key: float(value)
+        for key, value in record.items()
+        if key not in POSITION and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+    return {(f"time/{key}" if key.endswith("_ms") else f"train/{key}"): value for key, value in numbers.items()}
+
+
+def best_and_final(evals: list[dict], main_metric: tuple[str, str]) -> tuple[dict, dict] | None:
+    """The best evaluation by the task's main metric ("max" or "min" is better) and the last one;
+    None without an evaluation of it."""
+    name, goal = main_metric
+    scored = [record for record in evals if EVAL_PREFIX + name in record]
+    if not scored:
+        return None
+    best = (max if goal == "max" else min)(scored, key=lambda record: record[EVAL_PREFIX + name])
+    return best, scored[-1]
 
 
 def current_timeline(logged: list[dict]) -> list[dict]:

@@ -1,5 +1,5 @@
-"""Packed shards: a run that reads what `python -m {{ cookiecutter.package_name }}.pack` wrote instead of calling
-`build_datasets`.
+"""Packed shards: a run that reads what `python -m {{ cookiecutter.package_name }}.tools.pack` wrote instead of
+calling `build_datasets`.
 
     data.shards: null                the task's datasets, as build_datasets(cfg) returns them
     data.shards: /data/packed        a folder here or on a shared filesystem (NFS, Lustre, ...)
@@ -14,7 +14,7 @@ data.py: decode, augment), and without one the records are the samples. On disk 
 records are in a seeded random order (train/order.npy: the record at each position), so that a
 chunk holds a random sample of the data, not one class or one stretch of text.
 
-The training order goes chunk by chunk (loaders.ChunkOrderSampler; data.shards_order=chunks), so
+The training order goes chunk by chunk (samplers.ChunkOrderSampler; data.shards_order=chunks), so
 a process opens, or fetches, a chunk once an epoch rather than once a sample;
 data.shards_order=shuffle keeps build_datasets' global shuffle, sample for sample. From object
 storage, each node fetches the chunks its loaders reach into `data.shards_cache`, once per node
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from . import extras
 from .rules import ConfigError
 
 if TYPE_CHECKING:
@@ -52,30 +53,25 @@ PACK_FILE = "pack.json"
 INDEX_FILE = "index.json"
 ORDER_FILE = "order.npy"  # in train/: the record each position holds
 SPLITS = ("train", "val")  # the (train, eval) pair of build_datasets, in that order
-INSTALL = "pip install -e '.[shards]'"
-PACK_COMMAND = "python -m {{ cookiecutter.package_name }}.pack"
+PACK_COMMAND = "python -m {{ cookiecutter.package_name }}.tools.pack"
 GIGABYTE = 1024**3
 
 
-def require_litdata():
-    try:
-        import litdata
-    except ImportError:
-        raise ConfigError(f"data.shards needs litdata, which is not installed: {INSTALL}") from None
-    return litdata
+def require_litdata(needed_for: str = "data.shards"):
+    return extras.require("litdata", needed_for)
 
 
-def datasets(cfg: Config):
-    """The (train, eval) datasets of a run: build_datasets(cfg), or the packed shards of data.shards."""
-    from . import task
-
-    if cfg.data.shards is None:
-        return task.build_datasets(cfg)
+def datasets(cfg: Config, from_records=None) -> tuple[Dataset, Dataset]:
+    """The (train, eval) datasets of the pack that data.shards names: its record sets, or what the
+    seam's `from_records(cfg, train, eval)` makes of them. Read chunk by chunk
+    (data.shards_order=chunks), the training set carries the pack's chunk layout (InChunks)."""
     require_litdata()
     pack = open_pack(cfg.data.shards)
     sets = [ShardSet(pack, split, chunk_cache(cfg, pack, split)) for split in SPLITS]
-    from_records = getattr(task, "from_records", None)
-    return from_records(cfg, *sets) if from_records else tuple(sets)
+    train, evaluation = from_records(cfg, *sets) if from_records else sets
+    if cfg.data.shards_order == "chunks":
+        train = InChunks(train, chunk_layout(pack))
+    return train, evaluation
 
 
 def facts(cfg: Config) -> dict:
@@ -83,13 +79,29 @@ def facts(cfg: Config) -> dict:
     return read_meta(cfg.data.shards)["facts"]
 
 
-def train_chunks(cfg: Config) -> list[np.ndarray] | None:
-    """The training records each chunk holds, when the run reads chunk by chunk (data.shards_order), else None."""
-    if cfg.data.shards is None or cfg.data.shards_order != "chunks":
-        return None
-    pack = open_pack(cfg.data.shards)
+def chunk_layout(pack: Pack) -> list[np.ndarray]:
+    """The training records each chunk of the pack holds, in the order of the chunks."""
     sizes = [chunk["chunk_size"] for chunk in pack.indexes["train"]["chunks"]]
     return np.split(pack.order, list(itertools.accumulate(sizes))[:-1])
+
+
+class InChunks(Dataset):
+    """A pack's training set with its chunk layout (the records each chunk holds), which
+    samplers.ChunkOrderSampler reads chunk by chunk. Indexing, length and set_epoch are the
+    wrapped dataset's."""
+
+    def __init__(self, dataset: Dataset, chunks: list[np.ndarray]):
+        self.dataset, self.chunks = dataset, chunks
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return self.dataset[index]
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
 
 def is_remote(location: str) -> bool:
@@ -165,7 +177,7 @@ def s3():
 
 @functools.cache
 def _s3_client(pid: int):
-    import boto3
+    boto3 = extras.require("boto3", "data.shards on s3://")
     from botocore.config import Config as BotoConfig
 
     # a few quick retries: unreachable storage is an error within a minute, not a hang
@@ -350,3 +362,40 @@ def publish(path: Path, content: bytes) -> None:
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")
     partial.write_bytes(content)
     os.replace(partial, path)
+
+
+def resume_problem(payload: dict, world_size: int, config: dict) -> str | None:
+    """Why a run with settings `config` on `world_size` ranks cannot resume from a checkpoint
+    (`payload`) in the middle of the epoch it was written in, or None.
+
+    Each rank skips the records it has read this epoch in the epoch's order: one shuffle of the
+    records (no shards, or data.shards_order=shuffle) or chunk by chunk through one pack. Each
+    rank's part of it depends on the world size. Another world size, or another order, would
+    read some records twice and others never.
+    """
+    if not payload["batch_in_epoch"]:
+        return None
+    before, now = order_of(payload["config"]), order_of(config)
+    if before != now:
+        return (
+            f"was written in the middle of an epoch reading {describe_order(before)}, and this run reads "
+            f"{describe_order(now)}; finish the epoch as it was written, or pass checkpoint.resume=never"
+        )
+    saved = payload["world_size"]
+    if not config["data"]["shards"] or saved == world_size:
+        return None
+    return (
+        f"was written by {saved} ranks in the middle of an epoch of data.shards, and this run has "
+        f"{world_size}: the epoch's remaining records would not be read exactly once; resume on {saved} "
+        "ranks, or pass checkpoint.resume=never to start afresh"
+    )
+
+
+def order_of(config: dict) -> str | None:
+    """The pack a run reads chunk by chunk (data.shards_order=chunks), or None for one shuffle of the records."""
+    data = config["data"]
+    return data["shards"] if data["shards"] and data["shards_order"] == "chunks" else None
+
+
+def describe_order(pack: str | None) -> str:
+    return f"{pack} chunk by chunk" if pack else "the records in one shuffle (no data.shards, or shards_order=shuffle)"

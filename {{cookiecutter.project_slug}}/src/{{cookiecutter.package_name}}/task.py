@@ -15,7 +15,7 @@ they call only these:
     MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
     throughput(cfg, model)    -> what a sample is worth in the log: units (tokens...) and FLOPs, for MFU
 
-and, optionally, for packed shards (`python -m {{ cookiecutter.package_name }}.pack`, then data.shards; see shards.py):
+and, optionally, for packed shards (the pack command, then data.shards; see shards.py):
 
     build_records(cfg)        -> (train, eval) sets of the raw records a pack stores (encoded images, ...);
                                  without it the pack stores build_datasets' samples as they are
@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import build_datasets
-from .loaders import move_to as to_device
-from .metrics import Throughput
 from .model import build_model
+from .samples import Throughput
+from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

@@ -7,31 +7,35 @@
         --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT \\
         -m {{ cookiecutter.package_name }}.train --config configs/default.yaml          # 2 nodes
 Or use scripts/train.sh, scripts/train_multinode.sh and scripts/train.sbatch.
+
+The file reads in call order: main -> run -> build (and wrap) -> fit -> train_one_epoch -> the
+step (accumulate_gradients, optimizer_step) -> evaluate -> the start-up report.
 """
 
 from __future__ import annotations
 
 import argparse
 import enum
-import math
+import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, dist, loaders, optim, preemption, shards, task
+from . import checkpoint, config, cpus, dist, hardware, loaders, optim, preemption, records, task, tensorboard, tracking
 from .checkpoint import TrainState
 from .config import Config
 from .dist import DistInfo
-from .metrics import Totals, TrainingLog, real_sample_mask
-from .rules import ConfigError
-from .tools import hardware, tensorboard, tracking
-from .tools.preflight import check_declared_terms, check_task
-from .tools.profiling import profile_window
+from .metrics import Totals, TrainingLog, Window, real_sample_mask
+from .preflight import check_declared_terms, check_task
+from .profiling import ProfileWindow, StepClock, profile_window
+from .rules import ConfigError, exit_on_user_error
+from .samples import num_samples
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -52,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     info = DistInfo.from_env()
-    with config.exit_on_user_error():  # before any collective: every rank finds the same problem
+    with exit_on_user_error():  # before any collective: every rank finds the same problem
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
         tensorboard.check(cfg.run.tensorboard)
@@ -71,49 +75,26 @@ def check_hardware(cfg: Config, info: DistInfo) -> None:
         raise ConfigError(problem)
 
 
-def autocast(cfg: Config, info: DistInfo):
-    """The forward passes' precision: bf16/fp16 autocast, or a disabled one for fp32."""
-    return torch.autocast(
-        info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
-    )
-
-
-@dataclass
-class Job:
-    """Everything `build` makes for a run; `fit` trains it."""
-
-    model: nn.Module  # what the loop calls: DDP(compiled(module)) when distributed
-    eval_model: nn.Module  # the same weights without DDP
-    state: TrainState
-    train_loader: DataLoader
-    eval_loader: DataLoader
-    global_batch: int
-    lr: float
-    warmup: float
-    workers: int
-    total_steps: int
-
-
 def run(cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> int:
     """Build, resume, train and save; returns the process exit code. `trackers` (empty, from
     `main`) are started here and told the run's end; the caller waits for them."""
     job = build(cfg, info)
-    problem = dist.shared_dir_problem(info, cfg.run_dir)  # every rank loads the checkpoint it resumes from
+    problem = dist.shared_dir_problem(info, cfg.run_dir.root)  # every rank loads the checkpoint it resumes from
     if problem:
         raise ConfigError(problem)
-    resumed = checkpoint.resume(job.state, cfg.run_dir, cfg.checkpoint.resume, info, config.to_dict(cfg))
+    resumed = checkpoint.resume(job.model, job.state, cfg.run_dir, cfg.checkpoint.resume, info, config.to_dict(cfg))
     if resumed and job.state.step >= job.total_steps:  # its files stay as the finished run left them
         dist.print0(info, nothing_to_train(cfg, job.state.step, job.total_steps))
         return 0
     if info.is_main:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        config.save(cfg, cfg.run_dir / "config.yaml")
+        cfg.run_dir.root.mkdir(parents=True, exist_ok=True)
+        config.save(cfg, cfg.run_dir.config)
     if trackers is not None:
         job.state.tracked_run_id = trackers.start(cfg, info, resumed, job.state)
     with training_log(job, cfg, info, trackers) as log:
         report_startup(cfg, info, job, log, resumed)
         outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
-        final = save_checkpoint(job.state, cfg, info)
+        final = save_checkpoint(job, cfg, info)
         if outcome is Outcome.PREEMPTED:  # leaving the log finishes the trackers after the checkpoint
             dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
             return preemption.report_preemption()
@@ -125,24 +106,36 @@ def nothing_to_train(cfg: Config, step: int, total_steps: int) -> str:
     return (
         f"nothing to train: {cfg.run_dir} is at step {step}, and train.epochs / train.max_steps plan "
         f"{total_steps}; raise one of them to train on, or pass run.name=NEW for a new run "
-        f"(results so far: {cfg.run_dir / 'metrics.jsonl'})"
+        f"(results so far: {cfg.run_dir.metrics})"
     )
 
 
+@dataclass
+class Job:
+    """What the loop trains and with what; `build` makes it, `fit` runs it."""
+
+    model: nn.Module  # the one handle: DDP(compiled(module)) when distributed; dist.bare() is the module
+    state: TrainState  # optimizer, scheduler, scaler and the position in the run
+    train_loader: DataLoader
+    eval_loader: DataLoader
+    total_steps: int  # optimizer steps of the whole run
+    global_batch: int  # samples an optimizer step learns from, over every rank and micro-batch
+    clock: StepClock  # where each step's time goes
+    profiler: ProfileWindow | None  # run.profile_steps; None when off
+
+
 def build(cfg: Config, info: DistInfo) -> Job:
-    cpus = dist.cpus_available()
-    torch.set_num_threads(dist.intra_op_threads(info.local_world_size))  # a user's OMP_NUM_THREADS wins
+    torch.set_num_threads(cpus.threads_per_rank(os.environ, info.local_world_size))  # a user's OMP_NUM_THREADS wins
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     dist.seed_everything(cfg.run.seed)  # after init, before the model exists
     # local rank 0 first: a download in the seam (weights, a dataset) happens once a node
     raw_model, (train_set, eval_set) = dist.local_main_first(
-        info, lambda: (task.build_model(cfg), shards.datasets(cfg))
+        info, lambda: (task.build_model(cfg), loaders.datasets(cfg))
     )
-    workers = loaders.resolve_workers(cfg, cpus, info.local_world_size)
-    chunks = shards.train_chunks(cfg)
-    train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers, chunks)
+    workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
+    train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
-    model, eval_model = wrap(raw_model, cfg, info)
+    model = wrap(raw_model, cfg, info)
     loaders.check_equal_lengths(len(train_loader), info)
 
     global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps
@@ -152,53 +145,37 @@ def build(cfg: Config, info: DistInfo) -> Job:
     warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)
     optimizer = optim.build_optimizer(raw_model, lr, cfg.train.weight_decay)
     state = TrainState(
-        model=raw_model,
         optimizer=optimizer,
         scheduler=optim.build_scheduler(optimizer, cfg.train, total_steps, warmup),
         scaler=torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16"),
     )
-    return Job(model, eval_model, state, train_loader, eval_loader, global_batch, lr, warmup, workers, total_steps)
+    profiler = profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info)
+    return Job(model, state, train_loader, eval_loader, total_steps, global_batch, StepClock(info.device), profiler)
 
 
-def training_log(job: Job, cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> TrainingLog:
-    """metrics.jsonl and the console, with the task's throughput and MFU where a peak is known;
-    TensorBoard (run.tensorboard), started `trackers` (run.trackers) and a profiler window
-    (run.profile_steps)."""
-    return TrainingLog(
-        info,
-        cfg.run_dir / "metrics.jsonl",
-        job.total_steps,
-        job.state.step,
-        board=tensorboard.open_board(cfg.run.tensorboard, cfg.run_dir, job.state.step, info),
-        trackers=trackers,
-        profiler=profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info),
-        throughput=task.throughput(cfg, job.state.model),
-        peak=hardware.peak_flops(info.device, cfg.train.precision, cfg.run.peak_tflops),
-    )
-
-
-def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemption.PreemptionFlag) -> Outcome:
-    """Epochs of training until total_steps or a preemption, evaluating as train.eval_every says."""
-    state = job.state
-    if cfg.train.eval_at_start and state.step == 0:
-        run_evaluation(job, cfg, info, log)  # the baseline: the untrained model
-    outcome = None
-    unchecked_loss = torch.zeros((), dtype=torch.float64, device=info.device)  # this rank's, since the last check
-    while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
-        job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch
-        if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
-            job.train_loader.dataset.set_epoch(state.epoch)
-        job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
-        outcome = train_one_epoch(job, cfg, info, log, stop, unchecked_loss)
-        if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.train.eval_every is None):
-            run_evaluation(job, cfg, info, log)
-        if outcome is Outcome.EPOCH_END:
-            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-    return outcome
-
-
-def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
-    log.evaluation(job.state.step, job.state.epoch, evaluate(job.eval_model, job.eval_loader, cfg, info))
+def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
+    """SyncBN -> device -> compile -> DDP, in that order."""
+    if cfg.train.sync_batchnorm and info.device.type == "cuda" and info.distributed:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, or DDP syncs stale modules
+    elif cfg.train.sync_batchnorm and has_batchnorm(model):
+        why = "a world of one has nothing to sync" if not info.distributed else "SyncBatchNorm needs CUDA"
+        dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
+    model.to(info.device)
+    if cfg.train.compile:
+        note = syncbn_compile_note(model, cfg.train.compile)
+        if note:
+            dist.print0(info, note)
+        model = torch.compile(model)
+    if info.distributed:
+        model = DDP(
+            model,
+            device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            bucket_cap_mb=cfg.dist.bucket_cap_mb,
+            find_unused_parameters=cfg.dist.find_unused_parameters,  # off: costs 10-20% a step
+            gradient_as_bucket_view=True,  # gradients live in the buckets: one copy fewer
+            static_graph=cfg.dist.static_graph,
+        )
+    return model
 
 
 def has_batchnorm(model: nn.Module, sync: bool = False) -> bool:
@@ -220,45 +197,52 @@ def syncbn_compile_note(model: torch.nn.Module, compile_model: bool) -> str | No
     )
 
 
-def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> tuple[nn.Module, nn.Module]:
-    """SyncBN -> device -> compile -> DDP, in that order. Returns (train, eval) modules.
+def training_log(job: Job, cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> TrainingLog:
+    """metrics.jsonl and the console, with the task's throughput and MFU where a peak is known;
+    TensorBoard (run.tensorboard) and started `trackers` (run.trackers)."""
+    return TrainingLog(
+        info,
+        cfg.run_dir.metrics,
+        job.total_steps,
+        job.state.step,
+        board=tensorboard.open_board(cfg.run.tensorboard, cfg.run_dir, job.state.step, info),
+        trackers=trackers,
+        throughput=task.throughput(cfg, dist.bare(job.model)),
+        peak=hardware.peak_flops(info.device, cfg.train.precision, cfg.run.peak_tflops),
+    )
 
-    The eval module is the same weights without the DDP wrapper, so evaluation runs no
-    collectives and ranks may hold different numbers of eval batches.
+
+def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemption.PreemptionFlag) -> Outcome:
+    """Epochs of training until total_steps or a preemption, evaluating as train.eval_every says."""
+    state = job.state
+    if cfg.train.eval_at_start and state.step == 0:
+        run_evaluation(job, cfg, info, log)  # the baseline: the untrained model
+    outcome = None
+    try:
+        while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
+            job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch
+            if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
+                job.train_loader.dataset.set_epoch(state.epoch)
+            job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
+            outcome = train_one_epoch(job, cfg, info, log, stop)
+            if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.train.eval_every is None):
+                run_evaluation(job, cfg, info, log)
+            if outcome is Outcome.EPOCH_END:
+                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+    finally:
+        if job.profiler is not None:
+            job.profiler.close()  # writes the trace of a window the run ended inside
+    return outcome
+
+
+def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop) -> Outcome:
+    """Optimizer steps until the epoch ends, total_steps, or a stop request reaches every rank.
+
+    At every log step (every checkpoint step is one too) the ranks agree on one reduced window
+    (log.flush): a NaN/inf loss in it stops the run before anything is written from it, and a
+    stop request (`stop`, a preemption.PreemptionFlag) ends the epoch.
     """
-    if cfg.train.sync_batchnorm and info.device.type == "cuda" and info.distributed:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, or DDP syncs stale modules
-    elif cfg.train.sync_batchnorm and has_batchnorm(model):
-        why = "a world of one has nothing to sync" if not info.distributed else "SyncBatchNorm needs CUDA"
-        dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
-    model.to(info.device)
-    if cfg.train.compile:
-        note = syncbn_compile_note(model, cfg.train.compile)
-        if note:
-            dist.print0(info, note)
-        model = torch.compile(model)
-    eval_model = model
-    if info.distributed:
-        model = DDP(
-            model,
-            device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-            bucket_cap_mb=cfg.dist.bucket_cap_mb,
-            find_unused_parameters=cfg.dist.find_unused_parameters,  # off: costs 10-20% a step
-            gradient_as_bucket_view=True,  # gradients live in the buckets: one copy fewer
-            static_graph=cfg.dist.static_graph,
-        )
-    return model, eval_model
-
-
-def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop, unchecked_loss: torch.Tensor):
-    """Optimizer steps until the epoch ends, total_steps, or a preemption request reaches every rank.
-
-    At every log step and before every checkpoint the ranks agree on one StepStatus: a NaN/inf
-    loss (summed into `unchecked_loss` since the last check) stops the run before anything is
-    written from it, and a stop request (`stop`, a preemption.PreemptionFlag) ends the epoch.
-    """
-    state, accum, clock, profiler = job.state, cfg.train.grad_accum_steps, log.clock, log.profiler
-    every_eval, every_save = cfg.train.eval_every, cfg.checkpoint.every_steps
+    state, accum, clock = job.state, cfg.train.grad_accum_steps, job.clock
     job.model.train()
     batches = iter(job.train_loader)
     for _ in range(len(job.train_loader) // accum):  # a partial accumulation is dropped
@@ -266,53 +250,44 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, sto
             micro_batches = [next(batches) for _ in range(accum)]
         with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
             loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
-        log.record(loss_sum, terms, accum * cfg.data.batch_size)
-        unchecked_loss += loss_sum
-        state.batch_in_epoch += accum
         with clock.optimizer:
-            optimizer_step(state, cfg)
+            optimizer_step(job.model, state, cfg)
         state.step += 1
-        if profiler is not None:  # run.profile_steps; when off, this check is all it costs
-            profiler.after_step(state.step)
-        done = state.step >= job.total_steps
-        logs, saves = state.step % cfg.run.log_every == 0 or done, state.step % every_save == 0 and not done
-        if logs:
-            log.flush(state.step, state.epoch, state.scheduler.get_last_lr()[0])
-        if logs or saves:
-            status = StepStatus.reduced(unchecked_loss, stop.requested, info)
-            check_finite(status, state.step - steps_since_check(state.step, cfg), state.step, cfg)
-            unchecked_loss.zero_()
-            if status.stop_requested:
+        state.batch_in_epoch += accum
+        log.record(loss_sum, terms, accum * cfg.data.batch_size)
+        if job.profiler is not None:  # run.profile_steps; when off, this check is all it costs
+            job.profiler.after_step(state.step)
+        due = Due.after(state.step, cfg, job.total_steps)
+        if due.log:
+            lr = state.scheduler.get_last_lr()[0]
+            window = log.flush(state.step, state.epoch, lr, clock.read(), stop.requested)
+            check_finite(window, cfg)
+            if window.stop_requested:
                 return Outcome.PREEMPTED
-        if done:
+        if due.last:
             return Outcome.MAX_STEPS
-        if every_eval and state.step % every_eval == 0:
+        if due.evaluate:
             run_evaluation(job, cfg, info, log)  # leaves the model in train mode
-        if saves:
-            save_checkpoint(state, cfg, info)
+        if due.save:
+            save_checkpoint(job, cfg, info)
     return Outcome.EPOCH_END
 
 
 @dataclass(frozen=True)
-class StepStatus:
-    """What the ranks decide on together at a check: one all-reduce of two numbers."""
+class Due:
+    """What the loop does after an optimizer step: the run's cadence, decided in one place."""
 
-    losses_finite: bool  # every loss since the previous check, on every rank, was finite
-    stop_requested: bool  # a preemption request reached at least one rank
+    log: bool  # end the log window: reduce it, write it, check its loss and the stop requests
+    save: bool  # write a checkpoint; always at a log step, so a NaN loss stops the run before it
+    evaluate: bool  # train.eval_every
+    last: bool  # the planned steps are done: fit evaluates, run saves the final checkpoint
 
     @classmethod
-    def reduced(cls, unchecked_loss: torch.Tensor, stop_requested: bool, info: DistInfo) -> StepStatus:
-        # a sum is finite only if every term was: this rank's losses since the check are one number
-        local = torch.stack([unchecked_loss, torch.tensor(float(stop_requested), dtype=torch.float64).to(info.device)])
-        loss, stops = dist.all_reduce_sum(local).tolist()
-        return cls(losses_finite=math.isfinite(loss), stop_requested=stops > 0)
-
-
-def steps_since_check(step: int, cfg: Config) -> int:
-    """Steps from the check before `step` (the previous log step or checkpoint) to `step`."""
-    since_log = (step - 1) % cfg.run.log_every + 1
-    since_save = (step - 1) % cfg.checkpoint.every_steps + 1
-    return min(since_log, since_save)
+    def after(cls, step: int, cfg: Config, total_steps: int) -> Due:
+        last = step >= total_steps
+        save = step % cfg.checkpoint.every_steps == 0 and not last
+        evaluate = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0 and not last
+        return cls(log=last or save or step % cfg.run.log_every == 0, save=save, evaluate=evaluate, last=last)
 
 
 def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tuple[torch.Tensor, float]:
@@ -344,7 +319,7 @@ def step_terms(local_terms: float, micro_batches: list, info: DistInfo) -> float
     """
     if task.TERMS_PER_SAMPLE is None:
         return all_reduced_terms(local_terms, info)
-    check_declared_terms(local_terms, sum(loaders.num_samples(batch) for batch in micro_batches))
+    check_declared_terms(local_terms, sum(num_samples(batch) for batch in micro_batches))
     return local_terms * info.world_size
 
 
@@ -355,25 +330,29 @@ def all_reduced_terms(local_terms: float, info: DistInfo) -> torch.Tensor:
     return dist.all_reduce_sum(terms.to(info.device, non_blocking=True))
 
 
-def optimizer_step(state: TrainState, cfg: Config) -> None:
+def autocast(cfg: Config, info: DistInfo):
+    """The forward passes' precision: bf16/fp16 autocast, or a disabled one for fp32."""
+    return torch.autocast(
+        info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
+    )
+
+
+def optimizer_step(model: nn.Module, state: TrainState, cfg: Config) -> None:
     if cfg.train.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.train.grad_clip)
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
     state.scaler.step(state.optimizer)  # fp16: skipped if the gradients overflowed
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)  # frees the memory instead of writing zeros
     state.scheduler.step()
 
 
-def save_checkpoint(state: TrainState, cfg: Config, info: DistInfo):
-    return checkpoint.save(state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
-
-
-def check_finite(status: StepStatus, checked: int, step: int, cfg: Config) -> None:
-    """Stop every rank on a NaN/inf loss (the status was reduced, so all ranks agree), before a
+def check_finite(window: Window, cfg: Config) -> None:
+    """Stop every rank on a NaN/inf loss (the window was reduced, so all ranks agree), before a
     checkpoint can be written from the state it left."""
-    if not status.losses_finite:
-        where = f"at step {step}" if step - checked == 1 else f"between steps {checked + 1} and {step}"
+    if not window.losses_finite:
+        step = window.record["step"]
+        where = f"at step {step}" if window.first_step == step else f"between steps {window.first_step} and {step}"
         raise FloatingPointError(
             f"loss is nan or inf {where}: lower train.lr (now {cfg.train.lr}) or lengthen the "
             f"warmup (train.warmup_fraction, now {cfg.train.warmup_fraction}); with fp16 try bf16; "
@@ -381,9 +360,19 @@ def check_finite(status: StepStatus, checked: int, step: int, cfg: Config) -> No
         )
 
 
+def save_checkpoint(job: Job, cfg: Config, info: DistInfo) -> Path:
+    return checkpoint.save(job.model, job.state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
+
+
+def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
+    log.evaluation(job.state.step, job.state.epoch, evaluate(job.model, job.eval_loader, cfg, info))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
-    """The task's metrics over every eval sample exactly once, whatever the world size."""
+    """The task's metrics over every eval sample exactly once, whatever the world size, as
+    metrics.jsonl records them (records.evaluation). Leaves the model in train mode."""
+    model = dist.without_ddp(model)  # no collective in a forward: ranks may hold different batch counts
     # DDP sends rank 0's buffers at the start of each forward, so after a step every rank holds
     # BatchNorm statistics of its own batch: evaluate rank 0's, the model the checkpoint saves
     dist.broadcast_buffers(model)
@@ -391,7 +380,7 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
     totals = Totals(info.device)
     position = 0
     for batch in loader:
-        size = loaders.num_samples(batch)
+        size = num_samples(batch)
         with autocast(cfg, info):
             sums = task.eval_sums(model, task.to_device(batch, info.device))
         real = real_sample_mask(position, size, info, len(loader.dataset), info.device)
@@ -399,8 +388,30 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
         totals.add(samples=real.sum(), **{name: values[real].sum() for name, values in sums.items()})
     reduced = totals.reduced()
     model.train()
-    results = {f"eval_{name}": value for name, value in task.metrics(reduced).items()}
-    return results | {"eval_samples": int(reduced["samples"])}
+    return records.evaluation(task.metrics(reduced), int(reduced["samples"]))
+
+
+def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
+    params = sum(p.numel() for p in job.model.parameters())
+    lr = job.state.optimizer.param_groups[0]["initial_lr"]  # the schedule's peak: the batch-scaled lr
+    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, job.global_batch, cfg.train.reference_batch_size)
+    dist.print0(
+        info,
+        f"world size {info.world_size} ({info.local_world_size} per node), backend {info.backend}, "
+        f"device {info.device}\n"
+        f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
+        f"{cfg.train.grad_accum_steps} accumulation steps\n"
+        f"lr {lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
+        f"{cfg.train.reference_batch_size}), warmup {warmup:.1%} of {planned_steps(cfg, job.total_steps)}\n"
+        f"precision {cfg.train.precision}, compile {cfg.train.compile}, "
+        f"loader workers per rank {job.train_loader.num_workers}\n"
+        f"parameters {params:,}; static memory per device "
+        f"~{static_memory_bytes(params, cfg.train.precision) / 2**20:.1f} MiB\n"
+        f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
+    )
+    note = hardware.precision_note(cfg.train.precision, info.device)
+    if note:
+        dist.print0(info, note)
 
 
 def planned_steps(cfg: Config, total_steps: int) -> str:
@@ -415,26 +426,6 @@ def static_memory_bytes(params: int, precision: str) -> int:
     """Weights, gradients and AdamW's two moments in fp32 (4 + 4 + 8 bytes a parameter); AMP adds
     low-precision weight copies, budgeted at 4 bytes. DDP replicates all of it on every device."""
     return params * (4 + 4 + 8 + (4 if precision != "fp32" else 0))
-
-
-def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
-    params = sum(p.numel() for p in job.state.model.parameters())
-    dist.print0(
-        info,
-        f"world size {info.world_size} ({info.local_world_size} per node), backend {info.backend}, "
-        f"device {info.device}\n"
-        f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
-        f"{cfg.train.grad_accum_steps} accumulation steps\n"
-        f"lr {job.lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
-        f"{cfg.train.reference_batch_size}), warmup {job.warmup:.1%} of {planned_steps(cfg, job.total_steps)}\n"
-        f"precision {cfg.train.precision}, compile {cfg.train.compile}, loader workers per rank {job.workers}\n"
-        f"parameters {params:,}; static memory per device "
-        f"~{static_memory_bytes(params, cfg.train.precision) / 2**20:.1f} MiB\n"
-        f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
-    )
-    note = hardware.precision_note(cfg.train.precision, info.device)
-    if note:
-        dist.print0(info, note)
 
 
 if __name__ == "__main__":

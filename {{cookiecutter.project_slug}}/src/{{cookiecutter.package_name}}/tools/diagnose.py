@@ -21,12 +21,15 @@ from pathlib import Path
 
 import torch
 
-from .. import config, dist, loaders, processes, records, shards, task
+from .. import config, cpus, hardware, loaders, processes, records, task
 from ..config import Config
-from ..dist import DistInfo, cpus_available
-from . import checks, hardware, launch
-from .checks import PASS, WARN
-from .profiling import SPLIT
+from ..dist import DistInfo
+from ..hardware import Gpu
+from ..profiling import SPLIT
+from ..rules import exit_on_user_error
+from ..rundir import RunDir
+from . import checks, launch
+from .checks import FAIL, PASS, WARN
 
 INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
 
@@ -49,7 +52,7 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
     found = hardware.gpus()  # counted as the launcher counts them (CUDA's view), with their capabilities
     if found:
         rows.append((PASS, "cuda", str(torch.version.cuda)))
-    rows += hardware.doctor_rows(cfg.train.precision, found, hardware.nccl_version(), cfg.dist.gpus_per_node)
+    rows += gpu_rows(cfg.train.precision, found, hardware.nccl_version(), cfg.dist.gpus_per_node)
     ranks = nproc or len(found) or launch.CPU_PROCESSES
     for port in ports:
         if port_is_free(port):
@@ -71,22 +74,22 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
 
 
 def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
-    cpus = cpus_available()
-    auto = loaders.workers_per_rank(cpus, ranks, cfg.data.max_workers)
-    workers = loaders.resolve_workers(cfg, cpus, ranks)
-    processes = ranks * (workers + 1)
-    verdict = PASS if processes <= cpus else WARN
+    available = cpus.cpus_available()
+    auto = loaders.workers_per_rank(available, ranks, cfg.data.max_workers)
+    workers = loaders.resolve_workers(cfg, available, ranks)
+    started = ranks * (workers + 1)
+    verdict = PASS if started <= available else WARN
     rows = [
         (
             verdict,
             "CPU workers",
-            f"{ranks} ranks x ({workers} loader workers + 1) = {processes} processes "
-            f"on {cpus} CPUs" + ("" if verdict == PASS else f"; oversubscribed: use data.num_workers=auto ({auto})"),
+            f"{ranks} ranks x ({workers} loader workers + 1) = {started} processes on {available} CPUs"
+            + ("" if verdict == PASS else f"; oversubscribed: use data.num_workers=auto ({auto})"),
         )
     ]
-    threads = dist.intra_op_threads(ranks)  # what training will use
-    verdict = PASS if threads * ranks <= cpus else WARN
-    rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {cpus} CPUs"))
+    threads = cpus.threads_per_rank(os.environ, ranks)  # what training will use
+    verdict = PASS if threads * ranks <= available else WARN
+    rows.append((verdict, "CPU threads", f"{threads} per rank x {ranks} ranks on {available} CPUs"))
     return rows
 
 
@@ -100,12 +103,38 @@ def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
     return verdict, "/dev/shm", f"{free_gib:.1f} GiB free{hint}"
 
 
+def gpu_rows(precision: str, found: list[Gpu], nccl: str | None, planned: int) -> list[tuple[str, str, str]]:
+    """(verdict, topic, detail) rows about the GPUs for `diagnose doctor`."""
+    launch = f"{len(found)} visible (the count the launch scripts use), project planned for {planned} per node"
+    if not found:
+        return [(WARN if planned else PASS, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
+    rows = [(PASS if len(found) == planned else WARN, "GPUs", launch)]
+    rows.append((PASS, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
+    for gpu in found:
+        rows.append(_capability_row(precision, gpu))
+    mig = [gpu.index for gpu in found if gpu.is_mig]
+    if mig:
+        # CUDA shows a process one MIG instance, and NCCL cannot connect instances to each other
+        rows.append((WARN, "MIG", f"GPU(s) {mig} are MIG instances: train with one process (NPROC_PER_NODE=1)"))
+    return rows
+
+
+def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
+    major, minor = gpu.capability
+    detail = f"{gpu.name}, compute capability {major}.{minor}"
+    if precision == "bf16" and not hardware.bf16_native(gpu.capability):
+        return FAIL, f"GPU {gpu.index}", detail + ": bf16 is emulated here; use train.precision=fp16"
+    if precision == "fp16" and tuple(gpu.capability) < hardware.FP16_TENSOR_CORES:
+        return WARN, f"GPU {gpu.index}", detail + ": no tensor cores, fp16 brings little; fp32 is as fast"
+    return PASS, f"GPU {gpu.index}", detail + f": {precision} runs natively"
+
+
 def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
     """Names of parameters whose .grad is None after one plain (non-DDP) step on a real batch
     of the training loader, with the task's own loss."""
-    train_set, eval_set = shards.datasets(cfg)
+    train_set, eval_set = loaders.datasets(cfg)
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0, shards.train_chunks(cfg))
+    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0)
     model.train()
     task.loss_sum(model, next(iter(train_loader))).backward()
     return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
@@ -162,7 +191,7 @@ def scaling(
             )
             if code != 0:
                 raise ScalingRunFailed(f"the run on {n} process(es) failed (exit code {code}); its output is above")
-            logged = records.read(Path(out) / f"scale{n}" / "metrics.jsonl")
+            logged = records.read(RunDir(Path(out) / f"scale{n}").metrics)
             steady = records.of_kind(logged, records.TRAIN)[1:]  # the first window holds start-up costs
             keys = ("samples_per_s", "data_wait_share", "step_ms", *SPLIT)
             results[n] = {key: sum(r[key] for r in steady) / len(steady) for key in keys}
@@ -170,9 +199,8 @@ def scaling(
 
 
 def _threads_env(nproc: int) -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(launch.threads_per_process(cpus_available(), nproc))
-    return env
+    """The environment of a run on `nproc` processes: threads per rank as the node launcher sets them."""
+    return os.environ | {"OMP_NUM_THREADS": str(cpus.threads_per_rank(os.environ, nproc))}
 
 
 def scaling_report(results: dict, nproc: int) -> str:
@@ -225,7 +253,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="scaling: keep the two runs here (for `report`)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
-    with config.exit_on_user_error():
+    with exit_on_user_error():
         cfg = config.load(args.config, args.overrides)
     if args.command == "doctor":
         rows = doctor(cfg, args.nproc, args.port or [29500, launch.DEFAULT_MASTER_PORT])

@@ -1,6 +1,6 @@
 """Evaluate a checkpoint on the eval set, as training evaluates: every sample once, sums in float64.
 
-    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default     # the run's latest checkpoint
+    python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default     # the run's newest loadable checkpoint
     python -m {{ cookiecutter.package_name }}.tools.evaluate runs/default/checkpoints/step_00000500.pt
     torchrun --standalone --nproc_per_node=2 -m {{ cookiecutter.package_name }}.tools.evaluate runs/default
 
@@ -19,47 +19,34 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import checkpoint, config, dist, loaders, metrics, shards, task, train
+from .. import checkpoint, config, cpus, dist, loaders, metrics, task, train
 from ..config import Config
 from ..dist import DistInfo
-from ..rules import ConfigError
+from ..rules import ConfigError, exit_on_user_error
+from ..rundir import RunDir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("target", type=Path, help="a run directory (its latest checkpoint) or a checkpoint file")
+    parser.add_argument(
+        "target", type=Path, help="a run directory (its newest loadable checkpoint) or a checkpoint file"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. data.batch_size=64")
     parser.add_argument("--out", type=Path, default=None, help="where to write the metrics as JSON")
     return parser.parse_intermixed_args(argv)
 
 
-def checkpoint_of(target: Path) -> Path:
-    """The checkpoint file `target` names: itself, or a run directory's latest."""
-    if not target.exists():
-        raise ConfigError(f"{target} does not exist: pass a run directory (runs/<name>) or a checkpoint file")
-    if not target.is_dir():
-        return target
-    latest = checkpoint.checkpoint_dir(target) / "latest"
-    if not latest.exists():
-        raise ConfigError(f"{target} holds no checkpoint ({latest} is missing): pass a run directory or a .pt file")
-    return latest.parent / latest.read_text().strip()
-
-
 def output_of(target: Path, path: Path, chosen: Path | None) -> Path:
     if chosen is not None:
         return chosen
-    return target / "evaluations" / f"{path.stem}.json" if target.is_dir() else path.with_suffix(".eval.json")
+    return RunDir(target).evaluations / f"{path.stem}.json" if target.is_dir() else path.with_suffix(".eval.json")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     info = DistInfo.from_env()
-    with config.exit_on_user_error():  # before any collective: every rank finds the same problem
-        path = checkpoint_of(args.target)
-        try:
-            payload = checkpoint.load_file(path)
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(str(err)) from None
+    with exit_on_user_error():  # before any collective: every rank finds the same problem
+        path, payload = checkpoint.find(args.target)
         cfg = config.with_overrides(payload["config"], args.overrides)
         train.check_hardware(cfg, info)
     out = output_of(args.target, path, args.out)
@@ -68,22 +55,20 @@ def main(argv=None) -> int:
 
 
 def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: list[str]) -> int:
-    raw_model, (train_set, eval_set) = dist.local_main_first(
-        info, lambda: (task.build_model(cfg), shards.datasets(cfg))
-    )
-    mismatch = checkpoint.model_mismatch(raw_model, payload["model"])
+    model, (train_set, eval_set) = dist.local_main_first(info, lambda: (task.build_model(cfg), loaders.datasets(cfg)))
+    mismatch = checkpoint.model_mismatch(model, payload["model"])
     if mismatch:
         raise ConfigError(f"the checkpoint holds another model than the settings build ({mismatch})")
-    raw_model.load_state_dict(payload["model"])
-    workers = loaders.resolve_workers(cfg, dist.cpus_available(), info.local_world_size)
+    model.load_state_dict(payload["model"])
+    workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     # as training wraps it (device, compile), less SyncBatchNorm: evaluation uses running statistics
-    _, eval_model = train.wrap(raw_model, replace(cfg, train=replace(cfg.train, sync_batchnorm=False)), info)
-    results = train.evaluate(eval_model, eval_loader, cfg, info)
-    dist.print0(info, metrics.evaluation_line(payload["step"], payload["epoch"], results))
+    model = train.wrap(model, replace(cfg, train=replace(cfg.train, sync_batchnorm=False)), info)
+    results = train.evaluate(model, eval_loader, cfg, info)
+    record = {"step": payload["step"], "epoch": payload["epoch"], **results}
+    dist.print0(info, metrics.evaluation_line(record))
     if info.is_main:
         out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"step": payload["step"], "epoch": payload["epoch"], **results}
         out.write_text(json.dumps(record | {"world_size": info.world_size, "overrides": overrides}, indent=2) + "\n")
         print(f"wrote {out}", flush=True)
     return 0

@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..cpus import positive_int, threads_per_rank, usable_cpus
 from ..preemption import (
     MARKER_ENV,
     PREEMPTED_EXIT_CODE,
@@ -47,6 +48,7 @@ from ..preemption import (
     exit_status,
     handles,
 )
+from ..rendezvous import FRESH_STORE_ENV
 
 DEFAULT_MASTER_PORT = 29622  # a static rendezvous's default: away from the crowded 29500
 RESEND_SECONDS = 1.0  # how often workers that torchrun (re)starts after a stop request are looked for
@@ -56,54 +58,6 @@ CPU_PROCESSES = 2  # without GPUs the scripts still run DDP, on gloo
 
 class LaunchError(Exception):
     """A launch that cannot work as asked; the message says what to change."""
-
-
-def positive_int(value: str | None) -> int | None:
-    return int(value) if value and value.isdigit() and int(value) > 0 else None
-
-
-def job_cpus(env: Mapping[str, str], affinity: int) -> int:
-    """CPUs this job may use on this node: the affinity mask, capped by SLURM's allocation, which
-    matters where SLURM does not bind tasks to CPUs (the mask is then the whole node). Inside an
-    srun task (SLURM_STEP_ID set) the task owns SLURM_CPUS_PER_TASK; the batch shell owns the
-    job's SLURM_CPUS_ON_NODE."""
-    in_task = "SLURM_STEP_ID" in env
-    allocated = positive_int(env.get("SLURM_CPUS_PER_TASK")) if in_task else None
-    allocated = allocated or positive_int(env.get("SLURM_CPUS_ON_NODE"))
-    return min(affinity, allocated) if allocated else affinity
-
-
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """CPUs this process may use: its affinity mask (taskset, cpusets, SLURM binding), capped by
-    a cgroup CPU limit (Kubernetes' resources.limits.cpu, docker --cpus), which the mask does
-    not show: a pod sees every CPU of its node and is throttled above its limit."""
-    try:
-        mask = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        mask = os.cpu_count() or 1
-    limit = cpu_limit(cgroup)
-    return min(mask, limit) if limit else mask
-
-
-def cpu_limit(cgroup: Path) -> int | None:
-    """The cgroup's CPU quota in whole CPUs (rounded up), or None without one: cgroup v2's
-    cpu.max ("200000 100000", or "max 100000"), else v1's cpu.cfs_quota_us (-1: none)."""
-    try:
-        quota, period = (cgroup / "cpu.max").read_text().split()
-    except (OSError, ValueError):
-        try:
-            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
-            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
-        except OSError:
-            return None
-    if quota in ("max", "-1") or not quota.isdigit() or not period.isdigit() or int(period) == 0:
-        return None
-    return max(1, -(-int(quota) // int(period)))
-
-
-def threads_per_process(cpus: int, processes: int) -> int:
-    """torchrun's default of 1 thread starves CPU work; 0 (fewer CPUs than processes) is not a count."""
-    return max(1, cpus // processes)
 
 
 # the process count a user or an operator asks for; Kubeflow's TrainJob sets PET_NPROC_PER_NODE,
@@ -163,13 +117,8 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
     static = any(arg.startswith(("--master-addr", "--master_addr")) for arg in args)
     if static and not any(arg.startswith(("--master-port", "--master_port")) for arg in args):
         args = [f"--master-port={DEFAULT_MASTER_PORT}", *args]
-    env = dict(environ)
-    env.setdefault("OMP_NUM_THREADS", str(threads_per_process(job_cpus(environ, affinity), processes)))
-    # c10d rendezvous: a fresh store for every round, served by that round's rank 0 (a static
-    # one, --master-addr or PET_MASTER_ADDR, always shares the agent's store). The shared agent
-    # store outlives restarts, and the only per-attempt key a worker could use, its node's
-    # TORCHELASTIC_RESTART_COUNT, differs between nodes when one rejoins (dist.store_prefix).
-    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env = FRESH_STORE_ENV | dict(environ)  # a c10d rendezvous: a fresh store every round (rendezvous.py)
+    env["OMP_NUM_THREADS"] = str(threads_per_rank(environ, processes, usable=affinity))
     if note:
         print(f"launch: {note}", file=sys.stderr, flush=True)
     return torchrun_command(args, processes), env
@@ -270,7 +219,7 @@ def reap_orphans(keep: int) -> None:
 
 def _prepare() -> None:
     """In torchrun, before it starts: survive SIGUSR1 (SLURM delivers it to the whole step; the
-    workers inherit the ignore until checkpoint.PreemptionFlag handles it), and stop with this
+    workers inherit the ignore until preemption.PreemptionFlag handles it), and stop with this
     launcher: if it is killed outright, torchrun gets SIGTERM and stops its workers (Linux)."""
     signal.signal(WORKER_STOP_SIGNAL, signal.SIG_IGN)
     if sys.platform == "linux":
@@ -302,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for sig in STOP_SIGNALS:  # before the slow imports: PID 1 of a container drops unhandled signals
             signal.signal(sig, stop_before_start)
-        from .hardware import visible_gpus  # imports torch
+        from ..hardware import visible_gpus  # imports torch
 
         command, env = prepare(args, os.environ, visible_gpus(), usable_cpus())
     except LaunchError as err:

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import yaml
 
-from .. import records, task
-from .profiling import SPLIT
+from .. import extras, records, task
+from ..profiling import SPLIT
+from ..rules import ConfigError, exit_on_user_error
+from ..rundir import RunDir
 
-INSTALL = "pip install matplotlib (or the project's viz extra)"
 SETTINGS = (  # always shown; any other setting that differs between the runs compared is shown too
     "data.batch_size",
     "train.grad_accum_steps",
@@ -47,9 +48,9 @@ class Run:
 def wall_time(logged: list[dict]) -> float | None:
     """Seconds of training over every attempt: each attempt's clock starts again at zero."""
     clocks = [
-        r["summary"]["wall_s"] if records.kind_of(r) == records.SUMMARY else r.get("elapsed_s")
+        r["summary"]["wall_s"] if r["kind"] == records.SUMMARY else r.get("elapsed_s")
         for r in logged
-        if records.kind_of(r) != records.EVAL
+        if r["kind"] != records.EVAL
     ]
     if not clocks or any(c is None for c in clocks):
         return None
@@ -70,13 +71,11 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def read_run(run_dir: Path, label: str) -> Run:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise SystemExit(f"report: {path} does not exist; pass a run directory such as runs/default")
-    logged = records.read(path)
-    config_file = run_dir / "config.yaml"
-    settings = flatten(yaml.safe_load(config_file.read_text()) or {}) if config_file.exists() else {}
+def read_run(run_dir: RunDir, label: str) -> Run:
+    if not run_dir.metrics.exists():
+        raise ConfigError(f"report: {run_dir.metrics} does not exist; pass a run directory such as runs/default")
+    logged = records.read(run_dir.metrics)
+    settings = flatten(yaml.safe_load(run_dir.config.read_text()) or {}) if run_dir.config.exists() else {}
     timeline = records.current_timeline(logged)
     return Run(
         label=label,
@@ -98,18 +97,16 @@ def steady(run: Run) -> list[dict]:
 
 def summary(runs: list[Run], main_metric: tuple[str, str]) -> str:
     """report.md: one column per run."""
-    name, goal = main_metric
-    key = f"eval_{name}"
+    name, key = main_metric[0], records.EVAL_PREFIX + main_metric[0]
     rows = {
         "steps": [str(run.train[-1]["step"]) if run.train else "-" for run in runs],
         "world size": [str(run.train[-1].get("world_size", "-")) if run.train else "-" for run in runs],
         "wall time": [f"{run.wall_s:.1f} s" if run.wall_s is not None else "-" for run in runs],
         "mean throughput": [f"{mean([r['samples_per_s'] for r in run.train]):,.0f} samples/s" for run in runs],
     }
-    scored = [[e for e in run.evals if key in e] for run in runs]
-    best = [(max if goal == "max" else min)(evals, key=lambda e: e[key]) if evals else None for evals in scored]
-    rows[f"best eval {name}"] = [f"{b[key]:.4f} at step {b['step']}" if b else "-" for b in best]
-    rows[f"final eval {name}"] = [f"{e[-1][key]:.4f} at step {e[-1]['step']}" if e else "-" for e in scored]
+    scored = [records.best_and_final(run.evals, main_metric) for run in runs]
+    rows[f"best eval {name}"] = [f"{s[0][key]:.4f} at step {s[0]['step']}" if s else "-" for s in scored]
+    rows[f"final eval {name}"] = [f"{s[1][key]:.4f} at step {s[1]['step']}" if s else "-" for s in scored]
     rows["time per step"] = [time_split(run) for run in runs]
     for setting in shown_settings(runs):
         rows[setting] = [f"`{run.settings.get(setting, '-')}`" for run in runs]
@@ -159,10 +156,11 @@ def figure(runs: list[Run], path: Path) -> None:
         steps = [r["step"] for r in run.train]
         loss.plot(steps, [r["loss"] for r in run.train], color=colour, label=f"{run.label} train")
         eval_steps = [e["step"] for e in run.evals]
-        if run.evals and "eval_loss" in run.evals[0]:
-            loss.plot(eval_steps, [e["eval_loss"] for e in run.evals], "o--", color=colour, label=f"{run.label} eval")
-        for style, name in zip(("o-", "s-", "^-", "d-"), eval_metric_names(run), strict=False):
-            metrics.plot(eval_steps, [e.get(name) for e in run.evals], style, color=colour, label=f"{run.label} {name}")
+        evals = [records.eval_metrics(e) for e in run.evals]
+        if evals and "loss" in evals[0]:
+            loss.plot(eval_steps, [e["loss"] for e in evals], "o--", color=colour, label=f"{run.label} eval")
+        for style, name in zip(("o-", "s-", "^-", "d-"), eval_metric_names(evals), strict=False):
+            metrics.plot(eval_steps, [e.get(name) for e in evals], style, color=colour, label=f"{run.label} {name}")
         lr.plot(steps, [r["lr"] for r in run.train], color=colour, label=run.label)
         speed.plot(steps, [r["samples_per_s"] for r in run.train], color=colour, label=run.label)
         wait.plot(steps, [100 * r["data_wait_share"] for r in run.train], color=colour, label=run.label)
@@ -183,8 +181,9 @@ def figure(runs: list[Run], path: Path) -> None:
     plt.close(fig)
 
 
-def eval_metric_names(run: Run) -> list[str]:
-    return sorted({k for e in run.evals for k in e if k.startswith("eval_") and k not in ("eval_loss", "eval_samples")})
+def eval_metric_names(evals: list[dict]) -> list[str]:
+    """The task's evaluation metrics besides the loss (its own panel)."""
+    return sorted({name for metrics in evals for name in metrics if name != "loss"})
 
 
 def stacked_split(ax, runs: list[Run]) -> None:
@@ -210,17 +209,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="where report.png and report.md go (default: the run, or ./report)")
     args = parser.parse_args(argv)
     out = args.out or (args.runs[0] if len(args.runs) == 1 else Path("report"))
-    runs = [read_run(run_dir, label) for run_dir, label in zip(args.runs, labels(args.runs), strict=True)]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(summary(runs, task.MAIN_METRIC))
-    print(f"wrote {out / 'report.md'}")
-    try:
-        figure(runs, out / "report.png")
-    except ModuleNotFoundError as err:
-        if err.name != "matplotlib":
-            raise
-        print(f"no report.png: matplotlib is not installed; {INSTALL}", file=sys.stderr)
-        return 1
+    with exit_on_user_error():
+        runs = [read_run(RunDir(path), label) for path, label in zip(args.runs, labels(args.runs), strict=True)]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.md").write_text(summary(runs, task.MAIN_METRIC))
+        print(f"wrote {out / 'report.md'}")
+        extras.require("matplotlib", "report.png")
+    figure(runs, out / "report.png")
     print(f"wrote {out / 'report.png'}")
     return 0
 

@@ -20,9 +20,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import checkpoint, config, dist, preemption, records, task, train
+from .. import checkpoint, config, dist, hardware, preemption, records, task, train
 from ..dist import DistInfo
-from . import checks, hardware
+from ..rules import exit_on_user_error
+from . import checks
 from .checks import FAIL, INFO, PASS, SKIP
 
 
@@ -141,10 +142,10 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
     elapsed = time.perf_counter() - start
 
-    digests = dist.all_gather_objects(parameter_digest(job.state.model))
+    digests = dist.all_gather_objects(parameter_digest(job.model))
     same = len(set(digests)) == 1
     results["parameters equal on all ranks"] = (PASS if same else FAIL, f"digests {sorted(set(digests))}")
-    logged = records.read(cfg.run_dir / "metrics.jsonl") if info.is_main else []
+    logged = records.read(cfg.run_dir.metrics) if info.is_main else []
     results["loss decreases"] = dist.broadcast_object(_loss_trend(logged))
     results["one all-reduce per optimizer step"] = _comm_check(counter, job, info)
     results["precision"] = check_precision(cfg, info, job.state.scaler)
@@ -177,15 +178,15 @@ def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[s
 
 def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
     """Rank 0 wrote the file from its own replica; only its comparison is meaningful."""
-    path = train.save_checkpoint(job.state, cfg, info)
+    path = train.save_checkpoint(job, cfg, info)
     fresh = task.build_model(cfg)
     fresh.load_state_dict(checkpoint.load_file(path)["model"])
-    same = digest(fresh.state_dict().values()) == digest(job.state.model.state_dict().values())
+    same = digest(fresh.state_dict().values()) == digest(dist.bare(job.model).state_dict().values())
     return (PASS if same else FAIL), f"{path.name} reloads into a plain model bit-identically"
 
 
 def _eval_count(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
-    counted = train.evaluate(job.eval_model, job.eval_loader, cfg, info)["eval_samples"]
+    counted = train.evaluate(job.model, job.eval_loader, cfg, info)[records.EVAL_SAMPLES]
     expected = len(job.eval_loader.dataset)
     verdict = PASS if counted == expected else FAIL
     return verdict, f"{counted} of {expected} samples on {info.world_size} ranks"
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     info = DistInfo.from_env()
-    with config.exit_on_user_error():
+    with exit_on_user_error():
         cfg = config.load(args.config, ["run.name=smoke-check", "checkpoint.resume=never", *args.overrides])
         train.check_hardware(cfg, info)
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
 
 def smoke(cfg: config.Config, info: DistInfo) -> int:
     if info.is_main:
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a clean run directory every time
+        shutil.rmtree(cfg.run_dir.root, ignore_errors=True)  # a clean run directory every time
     dist.barrier()
     results = run_checks(cfg, info)
     dist.print0(info, checks.table("smoke", results))

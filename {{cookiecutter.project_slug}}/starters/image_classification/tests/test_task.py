@@ -11,9 +11,8 @@ import torch
 from conftest import PACKAGE, SMOKE_CONFIG, TINY, read_metrics, run, torchrun, train_args
 from PIL import Image
 
-from {{ cookiecutter.package_name }} import config, data, loaders, model, shapes, task, train
+from {{ cookiecutter.package_name }} import config, data, loaders, model, preflight, samples, shapes, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.tools import preflight
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
@@ -44,7 +43,7 @@ def test_the_seam_sums_the_loss_and_counts_top1_and_top5_per_image(tree):
     train_set, eval_set = task.build_datasets(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
     preflight.check_task(net, (train_set, train_loader), (eval_set, eval_loader))
-    images, labels = batch = loaders.first_samples(eval_set, eval_loader, 4)
+    images, labels = batch = samples.first_samples(eval_set, eval_loader, 4)
     assert images.shape == (4, 3, 32, 32) and labels.tolist() == [0, 0, 0, 1]  # classes: sorted folder names
     assert train_set.folder.classes == eval_set.classes == list(shapes.SHAPES)
     net.eval()
@@ -79,9 +78,9 @@ def test_augmentation_depends_on_the_seed_epoch_and_index_only(tree):
 def test_packed_records_turn_into_the_samples_of_the_tree(tree):
     cfg = small_config(tree)
     from_records = task.from_records(cfg, *task.build_records(cfg))
-    for records, samples in zip(from_records, task.build_datasets(cfg), strict=True):
-        for i in (0, len(samples) - 1):
-            assert torch.equal(records[i][0], samples[i][0]) and records[i][1] == samples[i][1]
+    for records, decoded in zip(from_records, task.build_datasets(cfg), strict=True):
+        for i in (0, len(decoded) - 1):
+            assert torch.equal(records[i][0], decoded[i][0]) and records[i][1] == decoded[i][1]
     assert task.pack_facts(cfg) == {"classes": list(shapes.SHAPES)}
 
 
@@ -189,7 +188,7 @@ def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
 
     # packed (encoded JPEG bytes and labels), the same run again: the same crops, the same weights
     packed = tmp_path / "packed"
-    run([sys.executable, "-m", f"{PACKAGE}.pack", str(packed), "--config", SMOKE_CONFIG, *TINY], timeout=120)
+    run([sys.executable, "-m", f"{PACKAGE}.tools.pack", str(packed), "--config", SMOKE_CONFIG, *TINY], timeout=120)
     in_order = ("run.name=shapes-shards", f"data.shards={packed}", "data.shards_order=shuffle")  # the tree's order
     torchrun(*train_args(tmp_path, *overrides[1:], *in_order), timeout=400)
     tree_top1, shards_top1 = (

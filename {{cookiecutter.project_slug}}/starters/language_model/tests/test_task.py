@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import config, data, loaders, prepare, sample, task
+from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import training_flops_per_token
-from {{ cookiecutter.package_name }}.tools import preflight
+from {{ cookiecutter.package_name }}.tools import prepare, sample
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
@@ -43,7 +43,7 @@ def test_the_seam_sums_the_loss_over_tokens_and_passes_its_preflight():
     train_set, eval_set = task.build_datasets(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
     preflight.check_task(model, (train_set, train_loader), (eval_set, eval_loader))
-    batch = loaders.first_samples(train_set, train_loader, 3)
+    batch = samples.first_samples(train_set, train_loader, 3)
     logits = model(batch[0])
     mean = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
     assert task.count_terms(batch) == 3 * cfg.model.context
@@ -146,7 +146,7 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     corpus.write_bytes(b"".join(path.read_bytes() for path in sources))
     env = project_env()
     prepared = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.prepare", str(corpus), "--out", str(tmp_path / "tokens")],
+        [sys.executable, "-m", f"{PACKAGE}.tools.prepare", str(corpus), "--out", str(tmp_path / "tokens")],
         cwd=PROJECT, env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert "train with dataset.dir=" in prepared.stdout
@@ -160,7 +160,7 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
 
     run_dir = str(tmp_path / "lm")
     printed = subprocess.run(
-        [sys.executable, "-m", f"{PACKAGE}.sample", run_dir, "--prompt", "def ", "--tokens", "80", "--seed", "1"],
+        [sys.executable, "-m", f"{PACKAGE}.tools.sample", run_dir, "--prompt", "def ", "--tokens", "80", "--seed", "1"],
         cwd=PROJECT, env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert printed.stdout.startswith("def ") and len(printed.stdout.encode()) > 80  # a broken byte prints as 3
@@ -169,7 +169,16 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
 
     # packed (one token window a record), the same run again: the same losses, without dataset.dir's files
     packed = tmp_path / "packed"
-    command = [sys.executable, "-m", f"{PACKAGE}.pack", str(packed), "--config", SMOKE_CONFIG, *TINY, overrides[0]]
+    command = [
+        sys.executable,
+        "-m",
+        f"{PACKAGE}.tools.pack",
+        str(packed),
+        "--config",
+        SMOKE_CONFIG,
+        *TINY,
+        overrides[0],
+    ]
     subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, timeout=120, check=True)
     (tmp_path / "tokens" / "train.bin").unlink()
     on_shards = [*overrides[1:-1], "run.name=lm-shards", f"data.shards={packed}", "data.shards_order=shuffle"]

@@ -1,6 +1,6 @@
 """Fixed-length windows of token ids for the language model.
 
-`dataset.dir` names a directory written by `python -m {{ cookiecutter.package_name }}.prepare`:
+`dataset.dir` names a directory written by `python -m {{ cookiecutter.package_name }}.tools.prepare`:
 train.bin and val.bin (token ids) and meta.json (their dtype, the vocabulary size and the
 tokenizer). The token files are read through numpy.memmap, so ranks and loader workers share
 the operating system's page cache instead of each holding a copy. Without `dataset.dir` the
@@ -126,8 +126,8 @@ def read_meta(directory: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(
             f"dataset.dir: {directory} has no {META}; write it with "
-            f"`python -m {{ cookiecutter.package_name }}.prepare TEXT_FILES... --out {directory}`, or set dataset.dir=null "
-            "for the built-in corpus"
+            f"`python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --out {directory}`, "
+            "or set dataset.dir=null for the built-in corpus"
         )
     return json.loads(path.read_text())
 

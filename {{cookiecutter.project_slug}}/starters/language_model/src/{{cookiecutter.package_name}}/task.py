@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import build_datasets, build_records, from_records, pack_facts
-from .loaders import move_to as to_device
-from .metrics import Throughput
 from .model import build_model, training_flops_per_token
+from .samples import Throughput
+from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

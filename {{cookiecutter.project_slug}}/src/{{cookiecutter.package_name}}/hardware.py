@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import FAIL, PASS, WARN
-
 # Dense peak TFLOPS of one device (no sparsity), from the vendors' data sheets; fp32 without
 # TF32, which this project leaves off. The first name fragment found in the device's name wins.
 PEAK_TFLOPS = (
@@ -133,29 +131,3 @@ def nccl_version() -> str | None:
     if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
         return None
     return ".".join(map(str, torch.cuda.nccl.version()))
-
-
-def doctor_rows(precision: str, found: list[Gpu], nccl: str | None, planned: int) -> list[tuple[str, str, str]]:
-    """(verdict, topic, detail) rows about the GPUs for `diagnose doctor`."""
-    launch = f"{len(found)} visible (the count the launch scripts use), project planned for {planned} per node"
-    if not found:
-        return [(WARN if planned else PASS, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
-    rows = [(PASS if len(found) == planned else WARN, "GPUs", launch)]
-    rows.append((PASS, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
-    for gpu in found:
-        rows.append(_capability_row(precision, gpu))
-    mig = [gpu.index for gpu in found if gpu.is_mig]
-    if mig:
-        # CUDA shows a process one MIG instance, and NCCL cannot connect instances to each other
-        rows.append((WARN, "MIG", f"GPU(s) {mig} are MIG instances: train with one process (NPROC_PER_NODE=1)"))
-    return rows
-
-
-def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
-    major, minor = gpu.capability
-    detail = f"{gpu.name}, compute capability {major}.{minor}"
-    if precision == "bf16" and not bf16_native(gpu.capability):
-        return FAIL, f"GPU {gpu.index}", detail + ": bf16 is emulated here; use train.precision=fp16"
-    if precision == "fp16" and tuple(gpu.capability) < FP16_TENSOR_CORES:
-        return WARN, f"GPU {gpu.index}", detail + ": no tensor cores, fp16 brings little; fp32 is as fast"
-    return PASS, f"GPU {gpu.index}", detail + f": {precision} runs natively"

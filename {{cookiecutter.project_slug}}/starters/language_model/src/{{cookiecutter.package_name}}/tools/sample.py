@@ -1,9 +1,10 @@
 """Generate text with a trained language model.
 
-    python -m {{ cookiecutter.package_name }}.sample CHECKPOINT --prompt "def " --tokens 200 [--temperature 0.8] [--top-k 40]
+    python -m {{ cookiecutter.package_name }}.tools.sample CHECKPOINT --prompt "def " --tokens 200
+        [--temperature 0.8] [--top-k 40] [--seed 1] [--device cpu]
 
 CHECKPOINT is a training checkpoint (runs/<name>/checkpoints/step_*.pt) or a run directory
-(its newest checkpoint). The config saved in the checkpoint rebuilds the model and names the
+(its newest loadable checkpoint). The config saved in the checkpoint rebuilds the model and names the
 tokenizer (dataset.dir's meta.json, or bytes). Runs on CUDA when there is a GPU, else on the
 CPU (--device picks). Prints the prompt followed by the generated text.
 """
@@ -16,12 +17,11 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, config
-from .config import exit_on_user_error
-from .data import tokenizer_name
-from .model import build_model
+from .. import checkpoint, config
+from ..data import tokenizer_name
+from ..model import build_model
+from ..rules import ConfigError, exit_on_user_error
 from .prepare import load_tokenizer
-from .rules import ConfigError
 
 
 @torch.no_grad()
@@ -47,15 +47,7 @@ def generate(model, prompt: list[int], tokens: int, temperature: float, top_k: i
 
 def load(path: Path, device: torch.device):
     """(model on `device`, tokenizer) from a checkpoint file or a run directory."""
-    if path.is_dir():
-        found, state = checkpoint.newest_loadable(path)
-        if found is None:
-            raise ConfigError(f"{path}: no loadable checkpoint in this run directory")
-    else:
-        try:
-            state = checkpoint.load_file(path)
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(str(err)) from None
+    _, state = checkpoint.find(path)
     cfg = config.from_dict(state["config"])
     model = build_model(cfg)
     model.load_state_dict(state["model"])

@@ -1,7 +1,7 @@
 """Tokenize text files into the token files the language model trains on.
 
-    python -m {{ cookiecutter.package_name }}.prepare TEXT_FILES... --out DIR    # then train with dataset.dir=DIR
-    python -m {{ cookiecutter.package_name }}.prepare --out DIR                  # no files: the built-in corpus
+    python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --out DIR   # then dataset.dir=DIR
+    python -m {{ cookiecutter.package_name }}.tools.prepare --out DIR                 # the built-in corpus
 
 The files' tokens are concatenated in the order given; the last --eval-share of them becomes
 DIR/val.bin, the rest DIR/train.bin, and DIR/meta.json records the token dtype, the
@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import exit_on_user_error
-from .data import BYTE_VOCABULARY, BYTES, META, SPLITS, built_in_corpus
-from .rules import ConfigError
+from ..data import BYTE_VOCABULARY, BYTES, META, SPLITS, built_in_corpus
+from ..rules import ConfigError, exit_on_user_error
 
 
 class ByteTokenizer:

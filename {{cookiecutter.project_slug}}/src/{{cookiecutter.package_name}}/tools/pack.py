@@ -1,6 +1,6 @@
 """Pack the task's datasets into shards, then train on them with `data.shards=OUT`.
 
-    python -m {{ cookiecutter.package_name }}.pack OUT [--config configs/default.yaml] [section.key=value ...]
+    python -m {{ cookiecutter.package_name }}.tools.pack OUT [--config configs/default.yaml] [section.key=value ...]
 
 OUT is a folder or an s3:// URL. The training and evaluation sets that build_datasets(cfg)
 returns (or, when data.py defines it, build_records(cfg): the raw records, such as encoded
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import processes
+from .. import processes
 
 PARTIAL_SUFFIX = ".partial"  # a folder is packed beside OUT, then renamed to OUT
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from ..dist import DistInfo, print0
+from .dist import DistInfo, print0
+from .rundir import RunDir
 
 PHASES = {"data_wait": "data wait", "fwd_bwd": "forward+backward", "optimizer": "optimizer"}  # timed per step
 # a step's time as metrics.jsonl splits it: the phases, and the rest (logging, checkpoints, the loop)
@@ -124,10 +125,10 @@ class ProfileWindow:
         print0(self.info, f"profiler trace of steps {self.start + 1}-{self.last}: {self.shown} (open it in Perfetto)")
 
 
-def profile_window(steps: list | None, ranks: str, run_dir: Path, info: DistInfo) -> ProfileWindow | None:
+def profile_window(steps: list | None, ranks: str, run_dir: RunDir, info: DistInfo) -> ProfileWindow | None:
     """The run's profiler window from run.profile_steps and run.profile_ranks; None when off."""
     if steps is None or (ranks == "main" and not info.is_main):
         return None
-    folder = Path(run_dir) / "profile"
+    folder = run_dir.profile
     shown = folder / ("rank0.pt.trace.json" if ranks == "main" else "rank*.pt.trace.json")
     return ProfileWindow(steps[0], steps[1], folder / f"rank{info.rank}.pt.trace.json", info, str(shown))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.util
 import json
 import os
 import platform
@@ -41,11 +40,10 @@ from pathlib import Path
 
 import torch
 
-from .. import config, records
-from ..dist import DistInfo
-from ..rules import ConfigError
+from . import config, extras, processes, records
+from .dist import DistInfo
+from .rundir import RunDir
 
-TRACKERS = ("wandb", "mlflow")
 WORKER = f"{__package__}.tracker_worker"
 ANSWERS_FILE = ".cookiecutter.json"  # the answers this project was made with
 # the W&B project / MLflow experiment unless run.tracker_project names one
@@ -53,30 +51,19 @@ PROJECT = "{{ cookiecutter.project_slug }}"
 EXIT = "its exit after finishing"  # the last thing a tracker's process owes rank 0
 
 
-def installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
 def check(names: list[str]) -> None:
     """On every rank, before any collective: each tracker run.trackers names is installed."""
     for name in names:
-        if not installed(name):
-            raise ConfigError(
-                f"run.trackers: {name} is not installed; pip install -e '.[{name}]', or remove it from run.trackers"
-            )
+        if not extras.installed(name):
+            raise extras.missing(name, f"run.trackers={names}")
 
 
-def tracking_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "tracking"
-
-
-def tracked_run_id(run_dir: Path, resumed: Path | None, saved: str | None) -> str:
+def tracked_run_id(run_dir: RunDir, resumed: Path | None, saved: str | None) -> str:
     """The tracked-run id of this start: a resume from one of this run's own checkpoints continues
-    the id it carries (or tracking/run.json's, for checkpoints written before a tracker was
-    named); a fresh start, or one from another run's checkpoint, draws a new one. Kept in
-    tracking/run.json."""
-    path = tracking_dir(run_dir) / "run.json"
-    own = resumed is not None and Path(resumed).resolve().parent.parent == Path(run_dir).resolve()
+    the id it carries (or tracking/run.json's, when the run had no tracker named before); a fresh
+    start, or one from another run's checkpoint, draws a new one. Kept in tracking/run.json."""
+    path = run_dir.tracking / "run.json"
+    own = resumed is not None and run_dir.holds(resumed)
     run_id = (saved or (json.loads(path.read_text())["id"] if path.exists() else None)) if own else None
     run_id = run_id or uuid.uuid4().hex[:16]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,25 +71,25 @@ def tracked_run_id(run_dir: Path, resumed: Path | None, saved: str | None) -> st
     return run_id
 
 
-def missed(run_dir: Path, name: str, run_id: str, first_step: int) -> list[dict]:
+def missed(run_dir: RunDir, name: str, run_id: str, first_step: int) -> list[dict]:
     """The train and eval records up to `first_step` that tracker `name` never took (an earlier
     attempt ended before sending them, or the tracker was named only now), from metrics.jsonl."""
-    path, taken_path = Path(run_dir) / "metrics.jsonl", taken_file(run_dir, name, run_id)
-    if not path.exists():
+    taken_path = taken_file(run_dir, name, run_id)
+    if not run_dir.metrics.exists():
         return []
     taken = json.loads(taken_path.read_text()) if taken_path.exists() else {}
-    timeline = records.current_timeline(records.read(path))
+    timeline = records.current_timeline(records.read(run_dir.metrics))
     return [
         record
         for record in timeline
-        if records.kind_of(record) in (records.TRAIN, records.EVAL)
-        and taken.get(records.kind_of(record), -1) < record["step"] <= first_step
+        if record["kind"] in (records.TRAIN, records.EVAL)
+        and taken.get(record["kind"], -1) < record["step"] <= first_step
     ]
 
 
-def taken_file(run_dir: Path, name: str, run_id: str) -> Path:
+def taken_file(run_dir: RunDir, name: str, run_id: str) -> Path:
     """Where tracker `name`'s process keeps the last step of each kind it took for run `run_id`."""
-    return tracking_dir(run_dir) / f"{name}-{run_id}.json"
+    return run_dir.tracking / f"{name}-{run_id}.json"
 
 
 def without_credentials(text: str) -> str:
@@ -120,7 +107,7 @@ def destination(name: str) -> str:
 
 def project_root() -> Path:
     """The project's directory (where its answers file is): the source tree's, else the current one."""
-    source_root = Path(__file__).resolve().parents[3]  # src/<package>/tools/tracking.py
+    source_root = Path(__file__).resolve().parents[2]  # src/<package>/tracking.py
     return source_root if (source_root / ANSWERS_FILE).exists() else Path.cwd()
 
 
@@ -135,12 +122,6 @@ def run_facts(info: DistInfo) -> dict:
     }
 
 
-def worker_env() -> dict:
-    """This environment, with this package importable however this process found it."""
-    source = str(Path(__file__).resolve().parents[2])  # the directory that holds the package
-    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
-
-
 class TrackerProcess:
     """One tracker's child process. `call` queues a message and returns at once; the child
     answers each message in order. A message unanswered after `timeout` seconds, an error, or
@@ -148,9 +129,10 @@ class TrackerProcess:
 
     def __init__(self, name: str, timeout: float):
         self.name, self.timeout = name, timeout
+        command, env = processes.module_command(WORKER, name, str(timeout))
         self.process = subprocess.Popen(
-            [sys.executable, "-m", WORKER, name, str(timeout)],
-            env=worker_env(),
+            command,
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -274,7 +256,7 @@ class Trackers:
             "id": run_id,
             "name": cfg.run.name,
             "project": cfg.run.tracker_project or PROJECT,
-            "run_dir": str(cfg.run_dir.resolve()),
+            "run_dir": str(cfg.run_dir.root.resolve()),
             "root": str(project_root()),
             "timeout": self.timeout,
             "config": config.to_dict(cfg),

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .. import task
-from ..loaders import describe, first_samples, num_samples
-from ..rules import ConfigError
+from . import task
+from .rules import ConfigError
+from .samples import describe, first_samples, num_samples
 
 SAMPLES = 2  # enough to expose a batch dimension; cheap for any model on the CPU
 

@@ -1,6 +1,6 @@
 """The packing process that `python -m {{ cookiecutter.package_name }}.pack` starts and supervises.
 
-    python -m {{ cookiecutter.package_name }}.packer OUT [pack's options] --stage FOLDER --workdir FOLDER
+    python -m {{ cookiecutter.package_name }}.tools.packer OUT [pack's options] --stage FOLDER --workdir FOLDER
 
 It checks OUT and the settings, packs both splits into FOLDER with litdata (whose caches go
 into the work folder, so that packs side by side never share one), writes pack.json last and
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import config, pack, processes, shards, task
-from .rules import ConfigError
+from .. import config, processes, shards, task
+from ..rules import ConfigError, exit_on_user_error
+from . import pack
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -125,12 +126,12 @@ def main(argv=None) -> int:
     # litdata empties its cache folders ($TMPDIR/chunks, $TMPDIR/data by default) at every start
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(args.workdir / "chunks")
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(args.workdir / "data")
-    with config.exit_on_user_error():
+    with exit_on_user_error():
         if pack.is_url(args.out) and not shards.is_remote(args.out):
             raise ConfigError(f"pack: {args.out}: write to a folder or an s3:// URL")
         cfg = config.load(args.config, args.overrides)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=None))  # pack the source data
-        shards.require_litdata()
+        shards.require_litdata("the pack command")
         options = (args.stage, args.workers, args.chunk_mb, args.seed)
         if shards.is_remote(args.out):
             meta = pack_to_bucket(cfg, args.out, *options)

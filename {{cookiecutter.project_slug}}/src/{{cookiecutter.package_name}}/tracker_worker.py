@@ -1,6 +1,6 @@
 """One experiment tracker's process, started and fed by rank 0 (see tracking.py).
 
-    python -m {{ cookiecutter.package_name }}.tools.tracker_worker wandb|mlflow TIMEOUT_S
+    python -m {{ cookiecutter.package_name }}.tracker_worker wandb|mlflow TIMEOUT_S
 
 Reads one JSON message a line on stdin (start, then the records of metrics.jsonl, then finish),
 calls W&B or MLflow, and answers each line on stdout in order: {"ok": true}, or {"error": ...}
@@ -26,21 +26,13 @@ import threading
 import time
 from pathlib import Path
 
+from .preemption import PREEMPTED_EXIT_CODE
+from .records import scalars
+from .rundir import RunDir
+
 ID_TAG = "tracked_run_id"  # MLflow: the tag that finds a training run's MLflow run again
-SKIPPED = {"kind", "step", "start_step", "world_size"}  # record fields that are not metrics
 MLFLOW_STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 CLOSED = None  # what the reader thread queues when rank 0's pipe closes
-PREEMPTED_EXIT_CODE = 75  # W&B shows a run marked preempting that ends non-zero as preempted
-
-
-def metrics_of(record: dict) -> dict[str, float]:
-    """A train or eval record's numbers as tracker metrics: train/loss, eval/accuracy, ..."""
-    prefix = record["kind"] + "/"
-    return {
-        prefix + key.removeprefix("eval_"): float(value)
-        for key, value in record.items()
-        if key not in SKIPPED and isinstance(value, (int, float)) and not isinstance(value, bool)
-    }
 
 
 def git_commit(root: str) -> str | None:
@@ -80,7 +72,7 @@ class Tracker:
     steps after its checkpoint is not sent twice."""
 
     def __init__(self, start: dict):
-        directory = Path(start["run_dir"]) / "tracking"
+        directory = RunDir(start["run_dir"]).tracking
         directory.mkdir(parents=True, exist_ok=True)
         self.lock = open(directory / f"{self.NAME}.lock", "w")  # noqa: SIM115 (held for the process's life)
         fcntl.flock(self.lock, fcntl.LOCK_EX)
@@ -99,7 +91,7 @@ class Tracker:
                 rows = []
                 self.summary(record["summary"], step)
             elif step > self.taken.get(kind, -1):
-                rows.append((step, metrics_of(record)))
+                rows.append((step, scalars(record)))
                 self.taken[kind] = step
         self.metrics(rows)
         partial = self.taken_path.with_suffix(".tmp")

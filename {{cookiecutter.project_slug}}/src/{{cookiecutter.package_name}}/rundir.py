@@ -1,0 +1,70 @@
+"""Where a run's outputs live: one map of the run directory (run.out_dir/run.name) that every
+module asks, so no file name is spelled in two places.
+
+    config.yaml            the resolved settings of the latest start
+    metrics.jsonl          one record a line: log windows, evaluations, summaries (records.py)
+    checkpoints/           step_00000500.pt ... (checkpoint.py)
+    tensorboard/           event files (run.tensorboard)
+    profile/               torch.profiler traces (run.profile_steps)
+    tracking/              the tracked-run id and what each tracker took (run.trackers)
+    evaluations/           what `tools.evaluate` measured, a file per checkpoint
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CHECKPOINT_GLOB = "step_*.pt"
+
+
+class RunDir:
+    """The paths of one run's outputs under `root`."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:08d}.pt"
+
+    def saved_checkpoints(self) -> list[Path]:
+        """The checkpoint files on disk, oldest first."""
+        return sorted(self.checkpoints.glob(CHECKPOINT_GLOB))
+
+    def holds(self, checkpoint: str | os.PathLike) -> bool:
+        """Whether `checkpoint` is one of this run's own (not another run's, passed by path)."""
+        return Path(checkpoint).resolve().parent == self.checkpoints.resolve()
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def profile(self) -> Path:
+        return self.root / "profile"
+
+    @property
+    def tracking(self) -> Path:
+        return self.root / "tracking"
+
+    @property
+    def evaluations(self) -> Path:
+        return self.root / "evaluations"

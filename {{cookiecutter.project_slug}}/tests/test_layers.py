@@ -1,0 +1,22 @@
+"""The package's layers hold, as import-linter checks them (the contracts in pyproject.toml):
+commands above the loop, the loop above the seam, the seam above the loop's foundations and
+using only rules, samples and shards of them, and no module in an import circle."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import PROJECT
+
+LINT_IMPORTS = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+
+
+@pytest.mark.skipif(LINT_IMPORTS is None, reason="import-linter is not installed: pip install -e '.[dev]'")
+def test_every_module_sits_in_its_layer_and_none_is_in_an_import_circle():
+    # from src/, where the package is importable without installing it
+    command = [LINT_IMPORTS, str(PROJECT / "pyproject.toml"), "--no-cache", "--no-logo"]
+    result = subprocess.run(command, cwd=PROJECT / "src", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 3 kept, 0 broken." in result.stdout
