@@ -113,7 +113,10 @@ KUBERNETES_FILES = {
     "tests/test_kubernetes.py",
 }
 CLASSIFIER_ONLY = {f for f in COMMON_FILES if f.startswith("examples/")} | {"tests/test_swaps.py"}
-STARTER_PACKAGE_FILES = {"image_classification": {"shapes.py"}, "language_model": {"tools/prepare.py", "tools/sample.py"}}
+STARTER_PACKAGE_FILES = {
+    "image_classification": {"shapes.py"},
+    "language_model": {"tools/prepare.py", "tools/sample.py"},
+}
 
 SUPPORTED = [
     {},
