@@ -32,6 +32,7 @@ from conftest import (
 from test_faults import EVERY_10, FAULTY, assert_bit_identical, final_state, worker_pid
 
 from {{ cookiecutter.package_name }} import config, extras, loaders, samplers, shards, task
+from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
 needs_litdata = pytest.mark.skipif(
@@ -41,6 +42,7 @@ needs_moto = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None, reason="no S3-compatible server to test with: pip install 'moto[server]'"
 )
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
+WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 # the records each chunk holds: uneven sizes (a packing process's last chunk is short), in a pack's random order
 CHUNKS = [chunk.tolist() for chunk in torch.randperm(43, generator=torch.Generator().manual_seed(0)).split(7)]
 
@@ -384,6 +386,36 @@ def test_shards_in_object_storage_train_with_a_small_cache_and_resume_exactly(tm
     assert_bit_identical(result["model"], straight["model"], "model")
     cached = sum(path.stat().st_size for path in cache.rglob("*.bin"))
     assert cached <= 0.0001 * shards.GIGABYTE + 4 * 20 * 1024  # the limit, give or take the chunks being read
+
+
+@pytest.mark.slow
+@needs_litdata
+@needs_moto
+def test_from_object_storage_chunk_order_fetches_each_chunk_once_an_epoch(tmp_path, s3_env, s3_pack, monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, s3_env[name])
+    fetched = []
+    fetch = shards.Store.fetch
+    monkeypatch.setattr(shards.Store, "fetch", lambda store, name, to: (fetched.append(name), fetch(store, name, to)))
+
+    def chunks_fetched(order: str, records: int) -> list[str]:
+        """The training chunks fetched while one rank reads `records` records of epoch 0 through
+        the project's loader, with a cache that holds a few chunks of the pack."""
+        cache = (f"data.shards_cache={tmp_path / order}", "data.shards_cache_gb=0.0001")  # 107 kB: 5 chunks
+        cfg = config.load(SMOKE_CONFIG, [*TINY, f"data.shards={s3_pack}", f"data.shards_order={order}", *cache])
+        train_set, eval_set = loaders.datasets(cfg)
+        loader, _ = loaders.build_loaders(train_set, eval_set, cfg, WORLD_OF_ONE, 0)
+        loader.sampler.set_epoch(0)
+        fetched.clear()
+        for _ in zip(range(records // cfg.data.batch_size), loader, strict=False):
+            pass
+        return [name for name in fetched if name.startswith("train/")]
+
+    packed = {chunk["filename"] for chunk in shards.open_pack(s3_pack).indexes["train"]["chunks"]}
+    in_chunk_order = chunks_fetched("chunks", records=shards.read_meta(s3_pack)["records"]["train"])
+    assert sorted(in_chunk_order) == sorted(f"train/{name}" for name in packed)  # each chunk once an epoch
+    # build_datasets' global shuffle over the same small cache: a fetch for most records read
+    assert len(chunks_fetched("shuffle", records=256)) > 4 * len(packed)
 
 
 @pytest.mark.slow

@@ -149,6 +149,11 @@ class Mlflow(Tracker):
 
     def __init__(self, start: dict):
         super().__init__(start)
+        # MLflow's own error before rank 0's limit: by default a closed port costs 7 retries (about
+        # 4 minutes) and a server that never answers 2 minutes a try; these are per request, so rank
+        # 0's run.tracker_timeout_s stays the bound on the whole call
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(start["timeout"] // 4))))
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 

@@ -160,7 +160,7 @@ class TrackerProcess:
         if not self.unanswered:
             self.since = time.monotonic()
         self.unanswered.extend(answers_owed)
-        self.outbox.put(json.dumps(message))
+        self.outbox.put(message)  # encoded by the sender thread, off the training step
         if then_close:
             self.outbox.put(None)
 
@@ -205,9 +205,9 @@ class TrackerProcess:
         self.process.wait()
 
     def _send(self) -> None:
-        while (line := self.outbox.get()) is not None:
+        while (message := self.outbox.get()) is not None:
             try:
-                self.process.stdin.write(line + "\n")
+                self.process.stdin.write(json.dumps(message) + "\n")
                 self.process.stdin.flush()
             except OSError:  # the child is gone; _receive says why
                 return
