@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The multi-GPU acceptance check: a short run on every local GPU (2 CPU processes without
-# GPUs) that verifies DDP is wired correctly and prints a PASS/FAIL/SKIP table.
-#   scripts/smoke.sh [section.key=value ...]
+# The multi-GPU acceptance check: a short run of the configured model, data and precision on
+# every local GPU (2 CPU processes without GPUs) that verifies DDP is wired correctly and prints
+# a PASS/FAIL/SKIP table.
+#   scripts/smoke.sh [--config configs/smoke.yaml] [section.key=value ...]
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-launch_node --standalone -m {{ cookiecutter.package_name }}.tools.smoke --config "$PROJECT_ROOT/configs/smoke.yaml" "$@"
+launch_node --standalone -m {{ cookiecutter.package_name }}.tools.smoke --config "$PROJECT_ROOT/configs/default.yaml" "$@"

@@ -20,12 +20,6 @@ from {{ cookiecutter.package_name }}.tools import launch
 PROJECT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package_name }}"
 SMOKE_CONFIG = str(PROJECT / "configs" / "smoke.yaml")
-# Two whole epochs of smoke.yaml's run. The task's dataclass defaults are test-sized (for the
-# example classifier, 64 steps an epoch on 2 ranks); configs/default.yaml holds a real run's.
-TINY = (
-    "train.max_steps=null",
-    "train.epochs=2",
-)
 
 
 def pytest_addoption(parser):
@@ -46,6 +40,18 @@ def pytest_collection_modifyitems(config, items):
         is_task = item.get_closest_marker("task") is not None
         if (is_task or item.get_closest_marker("slow")) and not (is_task and with_task):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def process_settings(monkeypatch):
+    """Put back what train.build and train.run set process-wide: threads, cuDNN, the stop signal."""
+    from {{ cookiecutter.package_name }} import preemption
+
+    threads, handler = torch.get_num_threads(), signal.getsignal(preemption.WORKER_STOP_SIGNAL)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    yield
+    torch.set_num_threads(threads)
+    signal.signal(preemption.WORKER_STOP_SIGNAL, handler)
 
 
 def needs_gpus(count: int):
@@ -94,9 +100,9 @@ def torchrun(*args: str, nproc: int = 2, launcher: tuple[str, ...] = (), **kwarg
 
 
 def train_args(out_dir: Path, *overrides: str, module: str = f"{PACKAGE}.train") -> list[str]:
-    """`-m <module> --config smoke.yaml` on the TINY example task, with the run kept under a
-    test's temporary directory."""
-    return ["-m", module, "--config", SMOKE_CONFIG, *TINY, f"run.out_dir={out_dir}", *overrides]
+    """`-m <module> --config configs/smoke.yaml` and `overrides`, nothing else: the run the file
+    says (two epochs of the task's test-sized data), kept under a test's temporary directory."""
+    return ["-m", module, "--config", SMOKE_CONFIG, f"run.out_dir={out_dir}", *overrides]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

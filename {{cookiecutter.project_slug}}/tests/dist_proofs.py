@@ -23,11 +23,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Subset
 
-from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.tools import checks
-from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
-from {{ cookiecutter.package_name }}.tools.smoke import CommCounter, counting_allreduce_hook
+# run as a script (`torchrun tests/dist_proofs.py`), it finds the project's package without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train  # noqa: E402
+from {{ cookiecutter.package_name }}.dist import DistInfo  # noqa: E402
+from {{ cookiecutter.package_name }}.tools import checks  # noqa: E402
+from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS  # noqa: E402
+from {{ cookiecutter.package_name }}.tools.smoke import CommCounter, counting_allreduce_hook  # noqa: E402
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 # of the step's largest gradient: float32 rounding, as the ranks add in another order than one process

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from {{ cookiecutter.package_name }}.task import build_model
+from {{ cookiecutter.package_name }} import task
 
 
 class WithUnusedHead(nn.Module):
@@ -10,11 +10,11 @@ class WithUnusedHead(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.body = build_model(cfg)
+        self.body = task.build_model(cfg)
         self.aux_head = nn.Linear(4, 3)
 
-    def forward(self, inputs):
-        return self.body(inputs)
+    def forward(self, *inputs, **options):  # whatever the task's functions call the model with
+        return self.body(*inputs, **options)
 
 
 def model_with_unused_head(cfg):

@@ -1,11 +1,12 @@
 import re
+import shutil
 import socket
 import sys
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
-from {{ cookiecutter.package_name }} import config, rules
+from {{ cookiecutter.package_name }} import config, rules, train
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
 DEFAULT_CONFIG = PROJECT / "configs" / "default.yaml"
@@ -42,11 +43,41 @@ def test_default_yaml_holds_every_setting_with_the_comment_of_its_dataclass_fiel
 
 def test_sync_rewrites_a_drifted_file_and_keeps_its_values(tmp_path):
     drifted = tmp_path / "default.yaml"
-    drifted.write_text("train:\n  lr: 0.05  # stale comment\n  gone: 1\ndata:\n  batch_size: 7\n")
-    assert config.sync(drifted) == ["train.gone"]
+    drifted.write_text("train:\n  lr: 0.05  # stale comment\n  gone: 1\n  grad_clip: tight\ndata:\n  batch_size: 7\n")
+    dropped = config.sync(drifted)  # an unknown key, and a value of another type than the setting has now
+    assert dropped == ["train.gone=1 (an unknown key)", "train.grad_clip='tight' ('tight' is not a number or null)"]
     assert yaml_comments(drifted.read_text()) == dataclass_comments()
     cfg = config.load(drifted)
     assert cfg.train.lr == 0.05 and cfg.data.batch_size == 7 and cfg.run == config.RunConfig()
+
+
+def test_sync_leaves_the_file_as_it_was_when_a_value_breaks_a_rule(tmp_path):
+    path = tmp_path / "default.yaml"
+    path.write_text("train:\n  lr: -1.0\n")  # of the right type, against its rule: the user's to fix
+    with pytest.raises(ConfigError, match=r"train.lr: -1.0 is invalid; use a positive learning rate"):
+        config.sync(path)
+    assert path.read_text() == "train:\n  lr: -1.0\n"
+
+
+FUTURE_AND_ANNOTATED = "from __future__ import annotations\n\nfrom typing import Annotated\n"
+
+
+def test_sync_with_a_rule_that_fails_to_run_is_one_line_exit_2_and_the_file_unchanged(tmp_path):
+    # the user's model.py, with a setting whose rule names a constant the module never defined
+    source = tmp_path / "src"
+    shutil.copytree(PROJECT / "src", source)
+    model_py = source / PACKAGE / "model.py"
+    broken = '    depth_cap: Annotated[int, Rule(lambda v: v <= MAX_DEPTH, "use at most MAX_DEPTH")] = 1  # cap\n'
+    text = re.sub(r"(class ModelConfig:\n)", lambda m: m.group(1) + broken, model_py.read_text(), count=1)
+    text = text.replace("from .rules import ", "from .rules import Rule, ", 1)
+    model_py.write_text(text.replace("from __future__ import annotations\n", FUTURE_AND_ANNOTATED, 1))
+    path = tmp_path / "default.yaml"
+    path.write_bytes(b"model:\n  depth_cap: 2  # mine\n")
+    env = project_env(PYTHONPATH=str(source))
+    result = run([sys.executable, "-m", f"{PACKAGE}.config", "sync", str(path)], env=env, check=False, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("config error: model.depth_cap: its Rule raised NameError: ")
+    assert path.read_bytes() == b"model:\n  depth_cap: 2  # mine\n"
 
 
 def test_yaml_then_overrides():
@@ -97,10 +128,11 @@ def test_resolved_config_round_trips(tmp_path):
     assert config.load(tmp_path / "resolved.yaml") == cfg
 
 
-def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path):
-    result = run(["python", *train_args(tmp_path, "train.precision=fp8")], check=False)
-    assert result.returncode == 2
-    assert "config error: train.precision: 'fp8' is not one of bf16, fp16, fp32" in result.stderr
+def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        train.main(train_args(tmp_path, "train.precision=fp8")[2:])  # as `python -m ... train` runs it
+    assert exited.value.code == 2
+    assert "config error: train.precision: 'fp8' is not one of bf16, fp16, fp32" in capsys.readouterr().err
 
 
 def test_a_config_error_is_one_write_so_the_ranks_lines_never_run_together(monkeypatch):

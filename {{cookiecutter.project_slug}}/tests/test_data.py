@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import SMOKE_CONFIG, TINY
+from conftest import SMOKE_CONFIG
 from torch.utils.data import DistributedSampler, Subset
 
 from {{ cookiecutter.package_name }} import config, cpus, loaders, samples, task
@@ -28,7 +28,7 @@ def test_a_users_omp_num_threads_wins_over_the_cpu_share():
 
 
 def build(rank, world, *overrides, workers=0, train_samples=None):
-    cfg = config.load(SMOKE_CONFIG, [*TINY, *overrides])
+    cfg = config.load(SMOKE_CONFIG, [*overrides])
     train_set, eval_set = task.build_datasets(cfg)
     if train_samples is not None:
         train_set = Subset(train_set, range(train_samples))
@@ -46,7 +46,7 @@ def test_samplers_and_loader_settings():
 
 
 def test_cuda_loaders_pin_memory_for_non_blocking_copies():
-    cfg = config.load(SMOKE_CONFIG, TINY)
+    cfg = config.load(SMOKE_CONFIG)
     cuda_info = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")
     train, evaluation = loaders.build_loaders(*task.build_datasets(cfg), cfg, cuda_info, 0)  # pinned: async copies
     assert train.pin_memory and evaluation.pin_memory

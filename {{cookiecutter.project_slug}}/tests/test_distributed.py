@@ -10,7 +10,7 @@ import sys
 import dist_proofs
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, TINY, run, torchrun
+from conftest import PROJECT, SMOKE_CONFIG, run, torchrun
 
 from {{ cookiecutter.package_name }} import config, loaders, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -24,7 +24,7 @@ PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
 def proofs_launch(tmp_path_factory):
     """The proofs' one launch; a failing proof exits 1, and the tests below say which one failed."""
     out = tmp_path_factory.mktemp("proofs")
-    return torchrun(PROOFS, str(out), *TINY, nproc=2, timeout=180, check=False), out
+    return torchrun(PROOFS, str(out), nproc=2, timeout=180, check=False), out
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_every_rank_builds_the_same_initial_weights(proofs):
 
 def test_unequal_loader_lengths_stop_every_rank_at_start_up_instead_of_hanging(proofs):
     messages = proofs["unequal_lengths"]["messages"]  # raised by train.build, the loop's own start-up
-    shard = len(task.build_datasets(config.load(SMOKE_CONFIG, TINY))[0]) // 2 // 16
+    shard = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 2 // 16
     assert all(f"train loader length differs across ranks ({shard - 2}..{shard} batches" in m for m in messages)
 
 
@@ -132,17 +132,17 @@ def test_ddp_wrapping_settings(proofs):
 
 def test_eval_on_two_ranks_gives_the_metrics_of_one_process(proofs):
     # global sums over ranks, not a mean of per-rank means: the ranks hold unequal shares of an odd-sized set
-    alone = dist_proofs.prove_eval_counts(list(TINY), dist_proofs.world_of_one())
+    alone = dist_proofs.prove_eval_counts([], dist_proofs.world_of_one())
     assert proofs["eval"] == pytest.approx(alone, rel=1e-6)  # fp32 sums in another order
 
 
 @pytest.mark.task
 def test_eval_counts_each_sample_once_for_world_sizes_1_2_3(proofs, tmp_path):
-    run([sys.executable, PROOFS, str(tmp_path), "--only", "eval", *TINY], timeout=60)
-    torchrun(PROOFS, str(tmp_path), "--only", "eval", *TINY, nproc=3, timeout=120)
+    run([sys.executable, PROOFS, str(tmp_path), "--only", "eval"], timeout=60)
+    torchrun(PROOFS, str(tmp_path), "--only", "eval", nproc=3, timeout=120)
     by_world = {w: json.loads((tmp_path / f"proofs-{w}.json").read_text())["eval"] for w in (1, 3)}
     by_world[2] = proofs["eval"]
-    _, eval_set = task.build_datasets(config.load(SMOKE_CONFIG, TINY))
+    _, eval_set = task.build_datasets(config.load(SMOKE_CONFIG))
     assert {r["eval_samples"] for r in by_world.values()} == {len(eval_set)}  # with padding where it does not split
     for name in by_world[1]:
         values = [r[name] for r in by_world.values()]
@@ -160,7 +160,7 @@ def leaves(batch) -> list:
 def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in():
     """A small dataset's epoch can end within the proofs' steps: the reference must follow the
     loader into the next epoch, not read past the end of epoch 0."""
-    cfg = config.load(SMOKE_CONFIG, [*TINY, *dist_proofs.EXACT_MATHS])
+    cfg = config.load(SMOKE_CONFIG, [*dist_proofs.EXACT_MATHS])
     train_set, eval_set = task.build_datasets(cfg)
     collate = loaders.build_loaders(train_set, eval_set, cfg, dist_proofs.world_of_one(), 0)[0].collate_fn
     ranks = [DistInfo(r, r, 2, 2, torch.device("cpu"), "gloo") for r in range(2)]

@@ -36,8 +36,8 @@ def trained_looking_state(cfg, model: nn.Module, step: int) -> TrainState:
                 tensor.copy_(torch.randn(tensor.shape, generator=generator))
             else:
                 tensor.fill_(step)  # BatchNorm's num_batches_tracked
-    optimizer = optim.build_optimizer(model, 1e-3, 0.0)
-    scheduler = optim.build_scheduler(optimizer, cfg.train, 100, 0.05)
+    optimizer = optim.build_optimizer(model, cfg, 1e-3)
+    scheduler = optim.build_scheduler(optimizer, cfg, 100, 0.05)
     return TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
 
 

@@ -17,7 +17,6 @@ from conftest import (
     PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
-    TINY,
     newest_checkpoint,
     project_env,
     run,
@@ -26,7 +25,7 @@ from conftest import (
     wait_for,
 )
 
-from {{ cookiecutter.package_name }} import checkpoint, config, optim, preemption
+from {{ cookiecutter.package_name }} import checkpoint, config, optim, preemption, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
@@ -78,7 +77,7 @@ class StraightRun:
 def straight_run(tmp_path_factory) -> StraightRun:
     """An uninterrupted 2-rank run 5 steps into epoch 1, checkpointing every 10 steps: the
     reference for every resume (a resume at step 10 or 20 is mid-epoch 0 for every task)."""
-    cfg = config.load(SMOKE_CONFIG, TINY)
+    cfg = config.load(SMOKE_CONFIG)
     train_set, _ = build_datasets(cfg)
     steps = len(train_set) // 2 // cfg.data.batch_size // cfg.train.grad_accum_steps + 5
     overrides = (*EVERY_10, f"train.max_steps={steps}")
@@ -224,8 +223,8 @@ def small_run(step: int) -> tuple[torch.nn.Module, TrainState]:
     """A model and its training state at `step`, as checkpoint.save and resume take them."""
     cfg = config.load(SMOKE_CONFIG)
     model = build_model(cfg)
-    optimizer = optim.build_optimizer(model, 1e-3, 0.0)
-    scheduler = optim.build_scheduler(optimizer, cfg.train, 100, 0.05)
+    optimizer = optim.build_optimizer(model, cfg, 1e-3)
+    scheduler = optim.build_scheduler(optimizer, cfg, 100, 0.05)
     return model, TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False), step=step)
 
 
@@ -289,11 +288,12 @@ def test_weights_with_nan_are_never_written_and_never_resumed_from(tmp_path):
         checkpoint.resume(*small_run(0), run_dir, str(run_dir.checkpoint(2)), INFO, SETTINGS)
 
 
-def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path):
+@pytest.mark.usefixtures("process_settings")
+def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path, capsys):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"garbage")
-    result = run([sys.executable, *train_args(tmp_path, f"checkpoint.resume={bad}")], check=False, timeout=60)
-    assert result.returncode != 0 and f"checkpoint {bad} is unreadable" in result.stderr
+    assert train.main(train_args(tmp_path, f"checkpoint.resume={bad}", "data.num_workers=0")[2:]) == 2
+    assert f"config error: checkpoint.resume: checkpoint {bad} is unreadable" in capsys.readouterr().err
 
 
 def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):

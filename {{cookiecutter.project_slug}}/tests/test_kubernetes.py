@@ -18,7 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, newest_checkpoint, project_env, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, finish, newest_checkpoint, project_env, wait_for
 from dockerfile_parse import DockerfileParser
 
 from {{ cookiecutter.package_name }} import checkpoint, config, preemption
@@ -188,7 +188,7 @@ def test_the_image_runs_the_node_launcher_as_pid_1_on_a_torch_the_project_suppor
 
 
 def start_pods(tmp_path: Path, envs: list[dict], *overrides: str) -> list[subprocess.Popen]:
-    command = [sys.executable, *entry_command()[1:], "--config", SMOKE_CONFIG, *TINY, f"run.out_dir={tmp_path}"]
+    command = [sys.executable, *entry_command()[1:], "--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}"]
     command.append("data.num_workers=0")
     return [
         subprocess.Popen(

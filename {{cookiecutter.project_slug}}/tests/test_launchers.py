@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, run, torchrun, train_losses
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_losses
+
+from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.tools import smoke
 
 SCRIPTS = PROJECT / "scripts"
 
@@ -50,7 +53,6 @@ def test_scripts_resolve_a_relative_config_and_out_dir_where_they_are_run(tmp_pa
         str(SCRIPTS / "train.sh"),
         "--config",
         "mine.yaml",
-        *TINY,
         "train.max_steps=5",
         "run.out_dir=here",
     ]
@@ -137,6 +139,8 @@ def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
     assert rows["SyncBatchNorm"][0] == "SKIP" and "needs CUDA" in rows["SyncBatchNorm"][1]
     assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
+    configured = config.load(PROJECT / "configs" / "default.yaml").train.precision  # the run it checks is yours
+    assert rows["precision"][1].startswith(f"{configured}: autocast matmul in "), rows["precision"]
 
 
 @pytest.mark.slow
@@ -149,25 +153,30 @@ def test_smoke_fails_when_gradients_are_not_all_reduced(tmp_path):
     assert rows["parameters equal on all ranks"][0] == "FAIL"
 
 
-def test_smoke_config_keeps_loss_records():
+def test_the_smoke_checks_run_keeps_loss_records_whatever_the_config():
     # the smoke check needs at least two loss records to judge the trend
-    from {{ cookiecutter.package_name }} import config
-
-    cfg = config.load(SMOKE_CONFIG)
-    assert cfg.train.max_steps >= 2 * cfg.run.log_every
+    for path in (SMOKE_CONFIG, PROJECT / "configs" / "default.yaml"):
+        cfg = config.load(path, smoke.SMOKE_RUN)
+        assert cfg.train.max_steps >= 2 * cfg.run.log_every
 
 
 def diagnose(*args, **kwargs):
     return run([sys.executable, "-m", f"{PACKAGE}.tools.diagnose", *args], **kwargs)
 
 
-def test_diagnose_unused_lists_an_unused_head():
-    result = diagnose("unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head", check=False)
-    assert result.returncode == 1
-    assert "aux_head.weight" in result.stdout and "aux_head.bias" in result.stdout
-    assert "body." not in result.stdout
-    clean = diagnose("unused", "--config", SMOKE_CONFIG)
-    assert "every parameter gets a gradient" in clean.stdout
+def test_diagnose_unused_lists_an_unused_head(capsys):
+    assert diagnose_main("unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head") == 1
+    out = capsys.readouterr().out
+    assert "aux_head.weight" in out and "aux_head.bias" in out and "body." not in out
+    assert diagnose_main("unused", "--config", SMOKE_CONFIG) == 0
+    assert "every parameter gets a gradient" in capsys.readouterr().out
+
+
+def diagnose_main(*args: str) -> int:
+    """`diagnose` as its command line runs it, in this process."""
+    from {{ cookiecutter.package_name }}.tools import diagnose
+
+    return diagnose.main(list(args))
 
 
 def test_diagnose_doctor_flags_a_busy_port_and_oversubscription():

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, TINY, finish, newest_checkpoint, project_env, train_losses, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, finish, newest_checkpoint, project_env, train_losses, wait_for
 
 from {{ cookiecutter.package_name }} import checkpoint, preemption
 from {{ cookiecutter.package_name }}.tools import launch
@@ -38,7 +38,7 @@ def start_nodes(tmp_path: Path, *overrides: str, max_restarts: int = 0) -> list[
         RDZV_ID="loopback",
         MAX_RESTARTS=str(max_restarts),
     )
-    command = ["bash", "scripts/train_multinode.sh", "--config", SMOKE_CONFIG, *TINY, f"run.out_dir={tmp_path}"]
+    command = ["bash", "scripts/train_multinode.sh", "--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}"]
     command.append("data.num_workers=0")  # fewer processes to start on each (re)start: the test stays short
     return [
         subprocess.Popen(

@@ -1,4 +1,5 @@
-"""Learning-rate scaling from a reference batch, warmup, then decay."""
+"""Optimizers and learning-rate schedules by name, the scaling rule for each, warmup, and the
+schedules' formulas (each written out here, independently of optim.lr_factor)."""
 
 import math
 
@@ -6,27 +7,23 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }} import config, optim
+from {{ cookiecutter.package_name }}.rules import ConfigError
 
 
 @pytest.mark.parametrize(
     ("rule", "global_batch", "expected"),
-    [
-        ("linear", 256, 8e-3),
-        ("linear", 64, 2e-3),
-        ("sqrt", 256, 1e-3 * math.sqrt(8)),
-        ("none", 256, 1e-3),
-        ("auto", 128, 4e-3),  # <= 4x: linear
-        ("auto", 64, 2e-3),
-        ("auto", 512, 1e-3 * 4 * math.sqrt(4)),  # 16x: sqrt beyond 4x, continuous at 4x
-        ("auto", 16, 5e-4),  # smaller than the reference: linear down
-    ],
+    [("linear", 256, 8e-3), ("linear", 64, 2e-3), ("sqrt", 256, 1e-3 * math.sqrt(8)), ("none", 256, 1e-3)],
 )
 def test_scaled_lr(rule, global_batch, expected):
     assert optim.scaled_lr(1e-3, global_batch, 32, rule) == pytest.approx(expected)
 
 
-def test_auto_rule_is_continuous_at_4x():
-    assert optim.scaled_lr(1.0, 128, 32, "auto") == pytest.approx(optim.scaled_lr(1.0, 128.0001, 32, "auto"), rel=1e-4)
+@pytest.mark.parametrize(
+    ("optimizer", "rule"), [("sgd", "linear"), ("adamw", "sqrt"), ("adafactor", "sqrt"), ("task", "none")]
+)
+def test_auto_scales_linearly_for_sgd_and_by_the_square_root_for_the_adam_family(optimizer, rule):
+    assert optim.scaling_rule("auto", optimizer) == rule
+    assert optim.scaling_rule("linear", optimizer) == "linear"  # a rule named is the rule used
 
 
 @pytest.mark.parametrize(("batch", "share"), [(32, 0.01), (64, 0.02), (128, 0.03), (256, 0.04), (4096, 0.05)])
@@ -35,37 +32,70 @@ def test_warmup_share_grows_with_the_batch(batch, share):
     assert optim.warmup_fraction(0.2, batch, 32) == 0.2
 
 
-def test_schedule_warms_up_then_decays_to_the_floor():
+def expected_factor(schedule: str, step: int, total: int, warmup: int) -> float:
+    """The lr of step `step` + 1 over the peak, as each schedule is defined (floor 0.1; wsd decays
+    over the last 20%; step: x0.1 at 50% and 75% of the steps)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    done = (step - warmup) / (total - warmup)
+    return {
+        "cosine": 0.1 + 0.9 * (1 + math.cos(math.pi * done)) / 2,
+        "linear": 1 - 0.9 * done,
+        "constant": 1.0,
+        "wsd": 1.0 if step < total - 20 else 1 - 0.9 * (step - (total - 20)) / 20,
+        "step": 1.0 if step < 50 else 0.1 if step < 75 else 0.01,
+    }[schedule]
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd", "step"])
+def test_each_schedule_warms_up_then_follows_its_formula(schedule):
     model = torch.nn.Linear(2, 2)
-    optimizer = optim.build_optimizer(model, lr=1.0, weight_decay=0.1)
-    cfg = config.TrainConfig(min_lr_ratio=0.1)
+    cfg = config.load(None, [f"train.schedule={schedule}", "train.min_lr_ratio=0.1"])
+    optimizer = optim.build_optimizer(model, cfg, lr=1.0)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps=100, warmup_share=0.05)
     lrs = []
     for _ in range(100):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert lrs[0] < 0.2 and all(a < b for a, b in zip(lrs[:5], lrs[1:6], strict=True))  # warmup rises
-    assert lrs[5] == pytest.approx(1.0)  # peak after 5% of 100 steps
-    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:], strict=False))  # then decays
-    for step in (20, 50, 80):  # cosine from the peak to the floor over the remaining 95 steps
-        assert lrs[step] == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * (step - 5) / 95)) / 2)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1, abs=1e-3)
+    assert lrs == pytest.approx([expected_factor(schedule, step, 100, 5) for step in range(100)], abs=1e-12)
 
 
 def test_norms_and_biases_are_not_decayed():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    decayed, plain = optim.build_optimizer(model, lr=1e-3, weight_decay=0.1).param_groups
+    decayed, plain = optim.parameter_groups(model, weight_decay=0.1)
     assert [p.ndim for p in decayed["params"]] == [2] and decayed["weight_decay"] == 0.1
-    assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0
-
-
-def test_adamw_runs_fused_on_cpu_and_decays_only_matrices():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
-    optimizer = optim.build_optimizer(model, 1e-3, 0.01)
-    assert all(group["fused"] for group in optimizer.param_groups)  # one kernel instead of a loop over tensors
-    decayed, plain = optimizer.param_groups
-    assert [p.ndim for p in decayed["params"]] == [2] and decayed["weight_decay"] == 0.01
     assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0  # bias, norm weight and bias
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "options"),
+    [
+        ("adamw", torch.optim.AdamW, {"betas": (0.8, 0.95), "fused": True}),
+        ("sgd", torch.optim.SGD, {"momentum": 0.5, "nesterov": True, "fused": True}),
+        ("adafactor", getattr(torch.optim, "Adafactor", None), {"foreach": True}),
+    ],
+)
+def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name, kind, options):
+    if kind is None:
+        pytest.skip(f"torch.optim.Adafactor needs torch>=2.5; this is {torch.__version__}")
+    overrides = [f"optim.name={name}", "optim.betas=[0.8, 0.95]", "optim.momentum=0.5", "optim.nesterov=true"]
+    cfg = config.load(None, [*overrides, "train.weight_decay=0.01"])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+    optimizer = optim.build_optimizer(model, cfg, lr=1e-3)
+    assert type(optimizer) is kind and [group["weight_decay"] for group in optimizer.param_groups] == [0.01, 0.0]
+    assert all(group[key] == value for group in optimizer.param_groups for key, value in options.items())
     model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()  # the fused CPU kernel exists in this torch
+    optimizer.step()  # the fused or multi-tensor kernel exists in this torch, on this device
+
+
+def test_an_optimizer_or_schedule_of_the_task_must_be_defined_and_adafactor_needs_its_torch(monkeypatch):
+    with pytest.raises(ConfigError, match="optim.name: task, but task.py has no build_optimizer; define it"):
+        optim.check(config.load(None, ["optim.name=task"]))
+    with pytest.raises(ConfigError, match="train.schedule: task, but task.py has no build_scheduler"):
+        optim.check(config.load(None, ["train.schedule=task"]))
+    monkeypatch.delattr(torch.optim, "Adafactor", raising=False)
+    with pytest.raises(ConfigError, match=r"optim.name: adafactor needs torch>=2.5 \(this is .*\); use adamw or sgd"):
+        optim.check(config.load(None, ["optim.name=adafactor"]))
+    with pytest.raises(ConfigError, match=r"train.milestones: \[0.75, 0.5\] is invalid; use increasing shares"):
+        config.load(None, ["train.milestones=[0.75, 0.5]"])

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, descendants, newest_checkpoint, project_env, run, wait_for
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, descendants, newest_checkpoint, project_env, run, wait_for
 
 from {{ cookiecutter.package_name }}.tools import launch
 
@@ -178,7 +178,7 @@ def time_limit_warning(job: subprocess.Popen, tmp_path) -> None:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="the srun stand-in finds the step in /proc")
 def test_time_limit_warning_checkpoints_on_every_rank_and_requeues(tmp_path):
     out = tmp_path / "runs"
-    overrides = [*TINY, f"run.out_dir={out}", "train.epochs=500", "checkpoint.every_steps=100000"]
+    overrides = [f"run.out_dir={out}", "train.epochs=500", "checkpoint.every_steps=100000"]
     env = slurm(tmp_path, hosts="127.0.0.1", CONFIG=SMOKE_CONFIG, NPROC_PER_NODE="2", CUDA_VISIBLE_DEVICES="")
     command = ["bash", str(SBATCH), *overrides]
     job = subprocess.Popen(command, cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -21,7 +21,6 @@ from conftest import (
     PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
-    TINY,
     project_env,
     read_metrics,
     run,
@@ -119,7 +118,7 @@ def test_a_mid_epoch_resume_of_shards_on_another_world_size_or_order_names_why_a
 
 def pack(out, *overrides: str, env: dict | None = None, timeout: float = 120):
     """The pack command as a user runs it, on the tests' dataset, in small chunks (many of them)."""
-    command = [sys.executable, "-m", f"{PACKAGE}.tools.pack", str(out), "--config", SMOKE_CONFIG, *TINY]
+    command = [sys.executable, "-m", f"{PACKAGE}.tools.pack", str(out), "--config", SMOKE_CONFIG]
     return run([*command, "--workers", "2", "--chunk-mb", "0.02", *overrides], env=env, timeout=timeout)
 
 
@@ -137,8 +136,8 @@ def test_a_pack_holds_the_records_of_build_datasets_in_order(packed):
     assert len(list((Path(packed) / "train").glob("*.bin"))) > 3  # several chunks
     order = np.load(Path(packed) / "train" / "order.npy")  # on disk, the training records in a random order
     assert sorted(order) == list(range(meta["records"]["train"])) and list(order) != sorted(order)
-    from_shards = loaders.datasets(config.load(SMOKE_CONFIG, [*TINY, f"data.shards={packed}"]))
-    from_source = task.build_datasets(config.load(SMOKE_CONFIG, TINY))
+    from_shards = loaders.datasets(config.load(SMOKE_CONFIG, [f"data.shards={packed}"]))
+    from_source = task.build_datasets(config.load(SMOKE_CONFIG))
     for split, records, samples in zip(shards.SPLITS, from_shards, from_source, strict=True):
         assert len(records) == len(samples) == meta["records"][split]
         for i in range(len(samples)):
@@ -276,7 +275,7 @@ def test_a_pack_killed_outright_leaves_no_process_and_the_next_one_finishes(tmp_
 @pytest.mark.slow
 @needs_litdata
 def test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrupted_one(tmp_path, packed):
-    steps = len(task.build_datasets(config.load(SMOKE_CONFIG, TINY))[0]) // 2 // 16 + 5  # into epoch 1
+    steps = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 2 // 16 + 5  # into epoch 1
     overrides = (*EVERY_10, f"train.max_steps={steps}", f"data.shards={packed}")
     torchrun(*train_args(tmp_path / "straight", *overrides), timeout=120)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY]
@@ -301,13 +300,13 @@ def test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrup
 @pytest.mark.slow
 @needs_litdata
 def test_the_proofs_and_exact_evaluation_hold_on_shards_for_world_sizes_1_2_3(tmp_path, packed):
-    on_shards = (*TINY, f"data.shards={packed}")
+    on_shards = f"data.shards={packed}"
     proofs = torchrun(PROOFS, str(tmp_path), *on_shards, nproc=2, timeout=180)
     assert "proofs on 2 ranks: PASS (0 failed, 0 warnings)" in proofs.stdout
     torchrun(PROOFS, str(tmp_path), "--only", "eval", *on_shards, nproc=3, timeout=120)
     run([sys.executable, PROOFS, str(tmp_path), "--only", "eval", *on_shards], timeout=60)
     reference = json.loads((tmp_path / "proofs-1.json").read_text())["eval"]
-    size = len(task.build_datasets(config.load(SMOKE_CONFIG, TINY))[1])
+    size = len(task.build_datasets(config.load(SMOKE_CONFIG))[1])
     for world in (1, 2, 3):
         results = json.loads((tmp_path / f"proofs-{world}.json").read_text())["eval"]
         assert results["eval_samples"] == results["dataset_size"] == size, world  # no padding counted, no tail lost
@@ -318,7 +317,8 @@ def test_the_proofs_and_exact_evaluation_hold_on_shards_for_world_sizes_1_2_3(tm
 @needs_litdata
 def test_the_smoke_check_passes_on_shards(tmp_path, packed):
     env = project_env(CUDA_VISIBLE_DEVICES="")
-    result = run(["bash", "scripts/smoke.sh", f"run.out_dir={tmp_path}", f"data.shards={packed}"], env=env, timeout=180)
+    smoke = ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", f"data.shards={packed}"]
+    result = run(smoke, env=env, timeout=180)
     assert "smoke: PASS (0 failed" in result.stdout
 
 
@@ -402,7 +402,7 @@ def test_from_object_storage_chunk_order_fetches_each_chunk_once_an_epoch(tmp_pa
         """The training chunks fetched while one rank reads `records` records of epoch 0 through
         the project's loader, with a cache that holds a few chunks of the pack."""
         cache = (f"data.shards_cache={tmp_path / order}", "data.shards_cache_gb=0.0001")  # 107 kB: 5 chunks
-        cfg = config.load(SMOKE_CONFIG, [*TINY, f"data.shards={s3_pack}", f"data.shards_order={order}", *cache])
+        cfg = config.load(SMOKE_CONFIG, [f"data.shards={s3_pack}", f"data.shards_order={order}", *cache])
         train_set, eval_set = loaders.datasets(cfg)
         loader, _ = loaders.build_loaders(train_set, eval_set, cfg, WORLD_OF_ONE, 0)
         loader.sampler.set_epoch(0)

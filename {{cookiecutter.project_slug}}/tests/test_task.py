@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
+from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config, loaders, preflight, samples, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -17,7 +17,7 @@ CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
 @pytest.fixture
 def pieces():
-    cfg = config.load(SMOKE_CONFIG, TINY)
+    cfg = config.load(SMOKE_CONFIG)
     train_set, eval_set = task.build_datasets(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
     return task.build_model(cfg), (train_set, train_loader), (eval_set, eval_loader)
@@ -49,7 +49,7 @@ def test_loss_is_a_sum_and_eval_sums_are_per_sample(pieces):
 
 
 def test_the_synthetic_data_is_learnable_and_deterministic():
-    cfg = config.load(SMOKE_CONFIG, TINY)
+    cfg = config.load(SMOKE_CONFIG)
     (a, _), (b, _) = task.build_datasets(cfg), task.build_datasets(cfg)
     assert torch.equal(a.inputs, b.inputs) and len(set(a.targets.tolist())) > 2
     assert (len(a), a.inputs.shape[1]) == (2048, 16)  # test-sized defaults; default.yaml sets a real run's

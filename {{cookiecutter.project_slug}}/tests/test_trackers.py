@@ -27,7 +27,6 @@ import torch
 from conftest import (
     PROJECT,
     SMOKE_CONFIG,
-    TINY,
     descendants,
     finish,
     newest_checkpoint,
@@ -154,7 +153,7 @@ def free_port() -> int:
 
 def launch(tmp_path: Path, *overrides: str, nproc: int = 2, **env: str) -> subprocess.Popen:
     """scripts/train.sh on `nproc` CPU ranks with the tracker environment `env`, in a session of its own."""
-    arguments = ["--config", SMOKE_CONFIG, *TINY, f"run.out_dir={tmp_path}", "run.log_every=5", "data.num_workers=0"]
+    arguments = ["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "run.log_every=5", "data.num_workers=0"]
     return subprocess.Popen(
         ["bash", str(PROJECT / "scripts" / "train.sh"), *arguments, *overrides],
         cwd=tmp_path,  # MLflow's and W&B's defaults write beside the launch, not into the project

@@ -12,7 +12,6 @@ from conftest import (
     PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
-    TINY,
     needs_cuda,
     needs_two_gpus,
     project_env,
@@ -37,7 +36,7 @@ FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 def test_two_process_run_trains_and_reports(tmp_path):
     result = torchrun(*train_args(tmp_path, "run.name=e2e"), timeout=180)
     out = result.stdout
-    smoke = config.load(SMOKE_CONFIG, TINY)
+    smoke = config.load(SMOKE_CONFIG)
     train_set, eval_set = task.build_datasets(smoke)
     epoch = len(train_set) // 32  # optimizer steps in an epoch: 16 per device x 2 ranks, last partial batch dropped
     main_metric = task.MAIN_METRIC[0]
@@ -119,7 +118,7 @@ def test_eval_every_keeps_its_schedule_across_a_resume_and_counts_every_sample(t
     evals = records.of_kind(read_metrics(tmp_path / "smoke"), records.EVAL)
     # every 20 steps, the baseline at 0 and each run's end; none twice, none skipped by the resume
     assert [e["step"] for e in evals] == [0, 20, 40, 50, 60, 80, 90]
-    eval_set = task.build_datasets(config.load(SMOKE_CONFIG, TINY))[1]
+    eval_set = task.build_datasets(config.load(SMOKE_CONFIG))[1]
     assert {e["eval_samples"] for e in evals} == {len(eval_set)}
 
 
@@ -231,16 +230,7 @@ def test_the_generated_default_config_trains(tmp_path):
     assert f"eval {task.MAIN_METRIC[0]}: best" in result.stdout
 
 
-@pytest.fixture
-def torch_globals(monkeypatch):
-    """train.build sets process-wide torch settings; put them back for the other tests."""
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("torch_globals")
+@pytest.mark.usefixtures("process_settings")
 @pytest.mark.parametrize("flag", [True, False])
 def test_cudnn_benchmark_follows_the_config(flag):
     cfg = config.load(SMOKE_CONFIG, [f"train.cudnn_benchmark={str(flag).lower()}"])
@@ -248,7 +238,7 @@ def test_cudnn_benchmark_follows_the_config(flag):
     assert torch.backends.cudnn.benchmark is flag
 
 
-@pytest.mark.usefixtures("torch_globals")
+@pytest.mark.usefixtures("process_settings")
 def test_optimizer_step_frees_the_gradients():
     cfg = config.load(SMOKE_CONFIG)
     job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
@@ -264,7 +254,7 @@ def test_the_unused_sync_batchnorm_note_is_only_for_models_with_batchnorm(capsys
     assert ("train.sync_batchnorm is on but unused" in capsys.readouterr().out) is noted
 
 
-@pytest.mark.usefixtures("torch_globals")
+@pytest.mark.usefixtures("process_settings")
 def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_path, capsys):
     overrides = [f"run.out_dir={tmp_path}", "train.max_steps=4", "run.tensorboard=false"]
     cfg = config.load(SMOKE_CONFIG, overrides)

@@ -283,8 +283,8 @@ def resume(
         dist.print0(
             info,
             f"note: resuming {chosen.name} with settings changed since it was written: {', '.join(changes)}; "
-            "the step, optimizer and learning-rate schedule continue from the checkpoint "
-            "(a new run.name starts afresh)",
+            "the step and the optimizer's state continue from the checkpoint, the learning rate follows the "
+            "schedule these settings plan from that step (a new run.name starts afresh)",
         )
     rngs = payload["rng"]
     set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import re
 import sys
 import types
@@ -31,6 +32,8 @@ from .tracker_worker import TRACKERS
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
+OptimizerName = Literal["adamw", "sgd", "adafactor", "task"]
+Schedule = Literal["cosine", "linear", "constant", "wsd", "step", "task"]
 ShardsOrder = Literal["chunks", "shuffle"]
 
 
@@ -41,6 +44,20 @@ StepCap = Annotated[int | None, Rule(lambda v: v is None or v >= 1, "use null or
 LearningRate = Annotated[float, Rule(lambda v: v > 0, "use a positive learning rate such as 1e-3")]
 Share = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or 0 <= v < 1, "use auto or a share in [0, 1)")]
 Ratio = Annotated[float, Rule(lambda v: 0 <= v <= 1, "use a ratio in [0, 1]")]
+Betas = Annotated[
+    list,
+    Rule(
+        lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
+        "use [beta1, beta2], each in [0, 1), e.g. [0.9, 0.999]",
+    ),
+]
+Milestones = Annotated[
+    list,
+    Rule(
+        lambda v: all(isinstance(m, (int, float)) and 0 < m < 1 for m in v) and list(v) == sorted(v),
+        "use increasing shares of the planned steps, each in (0, 1), e.g. [0.5, 0.75]",
+    ),
+]
 ClipNorm = Annotated[float | None, Rule(lambda v: v is None or v > 0, "use null or a positive norm")]
 Minutes = Annotated[float, Rule(lambda v: v > 0, "use a positive number of minutes, e.g. 30")]
 Switch = bool | Literal["auto"]
@@ -107,14 +124,27 @@ class TrainConfig:
     sync_batchnorm: bool = True  # SyncBatchNorm across ranks (CUDA only; needs world > 1)
     lr: LearningRate = 1e-3  # learning rate tuned for reference_batch_size
     reference_batch_size: PositiveInt = 32  # global batch at which lr was tuned
-    lr_scaling: LrScaling = "auto"  # auto: linear up to 4x the reference batch, sqrt beyond
+    lr_scaling: LrScaling = "auto"  # auto: linear for sgd, sqrt for adamw/adafactor, none for optim.name=task
     warmup_fraction: Share = "auto"  # share of steps spent warming up; auto: 1-5%, more for larger batches
-    min_lr_ratio: Ratio = 0.1  # cosine decay ends at lr x min_lr_ratio
-    weight_decay: NonNegative = 0.01  # AdamW weight decay (not applied to norms and biases)
+    schedule: Schedule = "cosine"  # after warmup: cosine, linear (both to the floor), constant, wsd, step or task
+    min_lr_ratio: Ratio = 0.1  # the floor: cosine, linear and wsd decay to lr x min_lr_ratio
+    decay_fraction: Ratio = 0.2  # wsd: the share of the steps that decays linearly to the floor, at the end
+    milestones: Milestones = field(default_factory=lambda: [0.5, 0.75])  # step: shares of the steps where lr drops
+    gamma: Ratio = 0.1  # step: the lr is multiplied by gamma at each milestone
+    weight_decay: NonNegative = 0.01  # decoupled weight decay of matrices (norms and biases are never decayed)
     grad_clip: ClipNorm = 1.0  # max global gradient norm (null: no clipping)
     cudnn_benchmark: bool = True  # let cuDNN pick the fastest kernels for fixed input sizes
     eval_every: StepCap = None  # optimizer steps between evaluations (and at the end); null: each epoch's end
     eval_at_start: bool = False  # also evaluate the untrained model at step 0 (a fresh run's baseline)
+    eval_limit: StepCap = None  # evaluate the first N eval samples only (the smoke check's quick look); null: all
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = "adamw"  # adamw | sgd | adafactor (torch>=2.5) | task: task.build_optimizer
+    betas: Betas = field(default_factory=lambda: [0.9, 0.999])  # adamw's decay rates of its two moments
+    momentum: Ratio = 0.9  # sgd's momentum
+    nesterov: bool = False  # sgd: Nesterov momentum
 
 
 @dataclass
@@ -141,6 +171,7 @@ class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
@@ -151,17 +182,20 @@ class Config:
 
 def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Defaults <- YAML file <- overrides, then validated."""
-    tree: dict = {}
-    if path is not None:
-        try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as err:
-            raise ConfigError(f"config file {path}: {err.strerror}; pass an existing --config") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(tree).__name__}")
-    return with_overrides(tree, overrides)
+    return with_overrides(load_tree(path) if path is not None else {}, overrides)
+
+
+def load_tree(path: str | Path) -> dict:
+    """A config file's sections as YAML reads them."""
+    try:
+        tree = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as err:
+        raise ConfigError(f"config file {path}: {err.strerror}; pass an existing --config") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(tree).__name__}")
+    return tree
 
 
 def with_overrides(tree: dict, overrides: typing.Sequence[str] = ()) -> Config:
@@ -218,7 +252,7 @@ def _check_type(key: str, value, expected):
     if typing.get_origin(expected) is Annotated:
         value = _check_type(key, value, expected.__origin__)
         for rule in expected.__metadata__:
-            if isinstance(rule, Rule) and not rule.holds(value):
+            if isinstance(rule, Rule) and not holds(rule, key, value):
                 raise ConfigError(f"{key}: {value!r} is invalid; {rule.fix}")
         return value
     if typing.get_origin(expected) in (Union, types.UnionType):
@@ -246,6 +280,16 @@ def _check_type(key: str, value, expected):
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: {value!r} is not {_describe(expected)}")
     return value
+
+
+def holds(rule: Rule, key: str, value) -> bool:
+    """Whether `value` keeps the rule; a rule that fails to run is the setting's error, in one line."""
+    try:
+        return bool(rule.holds(value))
+    except Exception as err:
+        raise ConfigError(
+            f"{key}: its Rule raised {type(err).__name__}: {err} on {value!r}; fix the rule where {key} is declared"
+        ) from None
 
 
 def _describe(expected) -> str:
@@ -312,16 +356,41 @@ def _yaml_scalar(value) -> str:
 
 
 def sync(path: str | Path) -> list[str]:
-    """Rewrite a config file from the dataclasses, keeping its values; returns the keys it dropped."""
-    tree = yaml.safe_load(Path(path).read_text()) or {}
+    """Rewrite a config file from the dataclasses, keeping its values; returns what it dropped:
+    unknown sections and keys, and values of another type than their setting now has. The new text
+    is checked whole, every rule run as load() runs them, before it replaces the file at once: a
+    problem is a ConfigError and leaves the file as it was."""
+    tree = load_tree(path)
     sections = typing.get_type_hints(Config)
     dropped, kept = [], {}
     for name, values in tree.items():
-        known = {f.name for f in dataclasses.fields(sections[name])} if name in sections else set()
-        kept[name] = {k: v for k, v in (values or {}).items() if k in known}
-        dropped += [f"{name}.{k}" for k in values or {} if k not in known]
-    Path(path).write_text(render_yaml(from_dict(kept)))
+        if name not in sections or not isinstance(values, dict | None):
+            dropped.append(f"{name} (not a section)")
+            continue
+        hints = typing.get_type_hints(sections[name], include_extras=True)
+        kept[name] = {}
+        for key, value in (values or {}).items():
+            problem = "an unknown key" if key not in hints else type_problem(f"{name}.{key}", value, hints[key])
+            if problem:
+                dropped.append(f"{name}.{key}={value!r} ({problem})")
+            else:
+                kept[name][key] = value
+    text = render_yaml(from_dict(kept))
+    from_dict(yaml.safe_load(text))  # the file as load() will read it
+    partial = Path(path).with_name(f".{Path(path).name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
     return dropped
+
+
+def type_problem(key: str, value, expected) -> str | None:
+    """Why `value` is not of the setting's type (its rules aside), or None."""
+    base = expected.__origin__ if typing.get_origin(expected) is Annotated else expected
+    try:
+        _check_type(key, value, base)
+    except ConfigError as err:
+        return str(err).removeprefix(f"{key}: ")
+    return None
 
 
 def seam_values_off_default(path: str | Path) -> list[str]:
@@ -347,7 +416,7 @@ def main(argv=None) -> int:
     with exit_on_user_error():
         dropped = sync(args.path)
         kept = seam_values_off_default(args.path)
-    print(f"wrote {args.path}" + (f"; dropped unknown keys {', '.join(dropped)}" if dropped else ""))
+    print(f"wrote {args.path}" + (f"; dropped {', '.join(dropped)}" if dropped else ""))
     if kept:
         print(f"kept, check they fit your model and data: {', '.join(kept)}")
     return 0

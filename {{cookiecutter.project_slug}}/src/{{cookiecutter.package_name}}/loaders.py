@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from . import shards, task
 from .dist import DistInfo, all_reduce_max
@@ -22,10 +22,15 @@ if TYPE_CHECKING:
 
 def datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     """The (train, eval) datasets of a run: the task's build_datasets(cfg), or the pack that
-    data.shards names, its records turned into samples by the task's from_records."""
+    data.shards names, its records turned into samples by the task's from_records; the eval set
+    cut to its first train.eval_limit samples when set."""
     if cfg.data.shards is None:
-        return task.build_datasets(cfg)
-    return shards.datasets(cfg, getattr(task, "from_records", None))
+        train_set, eval_set = task.build_datasets(cfg)
+    else:
+        train_set, eval_set = shards.datasets(cfg, getattr(task, "from_records", None))
+    if cfg.train.eval_limit is not None and cfg.train.eval_limit < len(eval_set):
+        eval_set = Subset(eval_set, range(cfg.train.eval_limit))
+    return train_set, eval_set
 
 
 def workers_per_rank(cpus: int, local_world_size: int, cap: int) -> int:

@@ -136,12 +136,16 @@ class TrainingLog:
     def flush(self, step: int, epoch: int, lr: float, seconds: dict[str, float], stop_requested: bool) -> Window:
         """End the window at `step`: reduce it over ranks, write and print its record.
         `seconds`: this rank's time per phase in the window (StepClock.read())."""
-        host = [self.terms, self.samples, float(stop_requested), *seconds.values(), *self.peak_memory_slots()]
+        # each rank's own window: its phases fit in it, so their means over ranks fit in the mean window
+        # (rank 0's alone is shorter than the others' by the time it spends writing the log)
+        own_window = time.perf_counter() - self.window_start
+        host = [self.terms, self.samples, float(stop_requested), own_window, *seconds.values()]
+        host += self.peak_memory_slots()
         local = torch.cat([self.loss_sum.view(1), torch.tensor(host, dtype=torch.float64).to(self.info.device)])
-        loss_sum, terms, samples, stops, *rest = all_reduce_sum(local).tolist()
+        loss_sum, terms, samples, stops, windows, *rest = all_reduce_sum(local).tolist()
         phases = dict(zip(seconds, rest[: len(seconds)], strict=True))  # seconds summed over ranks
         peaks = rest[len(seconds) :]
-        elapsed = time.perf_counter() - self.window_start
+        elapsed = windows / self.info.world_size  # the window's mean length over ranks
         self.run_samples += int(samples)
         record = {
             "kind": records.TRAIN,

@@ -1,30 +1,49 @@
-"""Optimizer and learning-rate schedule for a given global batch."""
+"""Optimizer and learning-rate schedule, scaled for the global batch and stepped per optimizer step.
+
+    optim.name: adamw | sgd | adafactor | task    task: task.build_optimizer(cfg, param_groups, lr)
+    train.schedule: cosine | linear | constant | wsd | step | task    task: task.build_scheduler(...)
+
+Every named schedule is linear warmup from ~0 to the batch-scaled lr, then one of: cosine decay
+to lr x min_lr_ratio; linear decay to it; constant; warmup-stable-decay (constant, then a linear
+decay over the last decay_fraction of the steps); or steps down by gamma at each milestone (shares
+of the planned steps). `lr_factor` is the one formula: the scheduler applies it (LambdaLR), so a
+resumed run continues it exactly from the step it restores. The loop keeps what is the same for
+any optimizer: norms and biases in a group without weight decay, clipping, loss scaling and
+accumulation.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from .config import TrainConfig
+from . import task
+from .rules import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config, TrainConfig
+
+ADAM_FAMILY = ("adamw", "adafactor")  # adaptive steps: the square-root scaling rule
+
+
+def scaling_rule(rule: str, optimizer: str) -> str:
+    """The LR scaling rule train.lr_scaling names; auto follows the optimizer: linear for SGD, the
+    square root for the Adam family (a linear jump is too aggressive for adaptive steps), none for
+    an optimizer the task builds (its own lr is taken as it is)."""
+    if rule != "auto":
+        return rule
+    return "linear" if optimizer == "sgd" else "sqrt" if optimizer in ADAM_FAMILY else "none"
 
 
 def scaled_lr(lr: float, global_batch: int, reference_batch: int, rule: str) -> float:
-    """The learning rate for `global_batch`, given one tuned at `reference_batch`.
-
-    linear: lr grows with the batch; sqrt: with its square root; auto: linear up to 4x the
-    reference batch and sqrt beyond, continuing from the 4x point (large linear jumps diverge).
-    """
+    """The learning rate for `global_batch`, given one tuned at `reference_batch`, by `rule`
+    (linear | sqrt | none; scaling_rule resolves auto)."""
     ratio = global_batch / reference_batch
-    if rule == "none":
-        return lr
-    if rule == "linear" or (rule == "auto" and ratio <= 4):
-        return lr * ratio
-    if rule == "sqrt":
-        return lr * math.sqrt(ratio)
-    return lr * 4 * math.sqrt(ratio / 4)
+    return {"linear": lr * ratio, "sqrt": lr * math.sqrt(ratio), "none": lr}[rule]
 
 
 def warmup_fraction(setting: float | str, global_batch: int, reference_batch: int) -> float:
@@ -35,27 +54,73 @@ def warmup_fraction(setting: float | str, global_batch: int, reference_batch: in
     return min(0.05, 0.01 * (1 + doublings))
 
 
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")
-
-
-def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW; norms and biases are not decayed."""
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The trainable parameters in two groups: matrices decayed, norms and biases (1-d) not."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
+    return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    # one fused kernel for all parameters, on CUDA and (since torch 2.4) on CPU: about 6x faster
-    # than the multi-tensor default on CPU (ResNet-18's 11M parameters: 6 ms a step instead of 40)
-    return torch.optim.AdamW(groups, lr=lr, fused=next(model.parameters()).device.type in FUSED_ADAMW_DEVICES)
+
+
+def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Optimizer:
+    """optim.name's optimizer over the parameter groups, at `lr` (already scaled)."""
+    groups, settings = parameter_groups(model, cfg.train.weight_decay), cfg.optim
+    if settings.name == "task":
+        return task.build_optimizer(cfg, groups, lr)
+    # one fused kernel for all parameters where torch has one: on CPU about 6x faster than the
+    # multi-tensor loop for AdamW (ResNet-18's 11M parameters: 6 ms a step instead of 40)
+    fused = next(model.parameters()).device.type in ("cuda", "cpu")
+    if settings.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(settings.betas), fused=fused)
+    if settings.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov, fused=fused)
+    return torch.optim.Adafactor(groups, lr=lr, foreach=True)  # config.py checks torch has it
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int, warmup_share: float
+    optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int, warmup_share: float
 ) -> LRScheduler:
-    """Linear warmup from ~0, then cosine decay to lr x min_lr_ratio; stepped once per optimizer step."""
-    warmup = max(1, round(total_steps * warmup_share))
-    peak = optimizer.param_groups[0]["lr"]
-    ramp = LinearLR(optimizer, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup)
-    decay = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup), eta_min=peak * cfg.min_lr_ratio)
-    return SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
+    """train.schedule's schedule, stepped once per optimizer step."""
+    if cfg.train.schedule == "task":
+        return task.build_scheduler(cfg, optimizer, total_steps)
+    warmup = warmup_steps(total_steps, warmup_share)
+    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.train))
+
+
+def warmup_steps(total_steps: int, warmup_share: float) -> int:
+    return max(1, round(total_steps * warmup_share))
+
+
+def lr_factor(step: int, total_steps: int, warmup: int, train: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` + 1 as a share of the peak (the batch-scaled lr)."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    floor, done = train.min_lr_ratio, (step - warmup) / max(1, total_steps - warmup)  # 0 -> 1 after warmup
+    if train.schedule == "cosine":
+        return floor + (1 - floor) * (1 + math.cos(math.pi * done)) / 2
+    if train.schedule == "linear":
+        return 1 - (1 - floor) * done
+    if train.schedule == "wsd":
+        decay = max(1, round(total_steps * train.decay_fraction))
+        into_decay = (step - (total_steps - decay)) / decay
+        return 1.0 if into_decay < 0 else 1 - (1 - floor) * into_decay
+    if train.schedule == "step":
+        passed = sum(step >= round(total_steps * share) for share in train.milestones)
+        return train.gamma**passed
+    return 1.0  # constant
+
+
+def check(cfg: Config) -> None:
+    """Before any collective, on every rank: the optimizer and schedule named can be built here."""
+    if cfg.optim.name == "adafactor" and not hasattr(torch.optim, "Adafactor"):
+        raise ConfigError(
+            f"optim.name: adafactor needs torch>=2.5 (this is {torch.__version__}); use adamw or sgd, or upgrade torch"
+        )
+    for setting, function in (("optim.name", "build_optimizer"), ("train.schedule", "build_scheduler")):
+        chosen = cfg.optim.name if setting == "optim.name" else cfg.train.schedule
+        if chosen == "task" and not hasattr(task, function):
+            raise ConfigError(
+                f"{setting}: task, but task.py has no {function}; define it (README: Bring your own model and "
+                f"data) or name a built-in one"
+            )

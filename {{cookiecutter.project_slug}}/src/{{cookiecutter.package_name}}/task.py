@@ -15,6 +15,12 @@ they call only these:
     MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
     throughput(cfg, model)    -> what a sample is worth in the log: units (tokens...) and FLOPs, for MFU
 
+and, optionally, an optimizer or schedule of your own (optim.name=task, train.schedule=task):
+
+    build_optimizer(cfg, param_groups, lr) -> torch.optim.Optimizer over the parameter groups
+                                 (norms and biases already without weight decay; lr already scaled)
+    build_scheduler(cfg, optimizer, total_steps) -> an LRScheduler, stepped once per optimizer step
+
 and, optionally, for packed shards (the pack command, then data.shards; see shards.py):
 
     build_records(cfg)        -> (train, eval) sets of the raw records a pack stores (encoded images, ...);
@@ -32,6 +38,7 @@ Counting the terms of every rank costs one small all-reduce per step; a task who
 all hold the same number of terms sets TERMS_PER_SAMPLE and the loop skips it (and checks
 the count it declares on every step).
 Evaluation sums per sample so the loop can drop the samples DistributedSampler repeats.
+Only loss_sum and eval_sums call the model, so its forward takes whatever they pass it.
 `count_terms` is called on the batch as the loader yields it, before it moves to the device.
 """
 

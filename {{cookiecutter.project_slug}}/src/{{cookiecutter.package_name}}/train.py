@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     with exit_on_user_error():  # before any collective: every rank finds the same problem
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
+        optim.check(cfg)
         tensorboard.check(cfg.run.tensorboard)
         tracking.check(cfg.run.trackers)
     trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
@@ -141,12 +142,13 @@ def build(cfg: Config, info: DistInfo) -> Job:
     global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     total_steps = min(cfg.train.epochs * steps_per_epoch, cfg.train.max_steps or float("inf"))
-    lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, cfg.train.lr_scaling)
+    rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)
+    lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)
     warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)
-    optimizer = optim.build_optimizer(raw_model, lr, cfg.train.weight_decay)
+    optimizer = optim.build_optimizer(raw_model, cfg, lr)
     state = TrainState(
         optimizer=optimizer,
-        scheduler=optim.build_scheduler(optimizer, cfg.train, total_steps, warmup),
+        scheduler=optim.build_scheduler(optimizer, cfg, total_steps, warmup),
         scaler=torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16"),
     )
     profiler = profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info)
@@ -401,8 +403,9 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"device {info.device}\n"
         f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
-        f"lr {lr:.3g} ({cfg.train.lr_scaling} scaling of {cfg.train.lr:g} tuned at batch "
-        f"{cfg.train.reference_batch_size}), warmup {warmup:.1%} of {planned_steps(cfg, job.total_steps)}\n"
+        f"{lr_line(cfg, lr, job.global_batch)}\n"
+        f"{cfg.optim.name} optimizer, {cfg.train.schedule} schedule, warmup {warmup:.1%} of "
+        f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, "
         f"loader workers per rank {job.train_loader.num_workers}\n"
         f"parameters {params:,}; static memory per device "
@@ -412,6 +415,19 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
     note = hardware.precision_note(cfg.train.precision, info.device)
     if note:
         dist.print0(info, note)
+
+
+def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
+    """The peak lr and where it comes from: the rule that scaled it, and how to turn that off."""
+    rule, tuned = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name), cfg.train.lr
+    reference = cfg.train.reference_batch_size
+    if rule == "none" or global_batch == reference:
+        return f"lr {lr:.3g} (train.lr, tuned at batch {reference}; global batch {global_batch}: not scaled)"
+    why = f"train.lr_scaling=auto for {cfg.optim.name}" if cfg.train.lr_scaling == "auto" else "train.lr_scaling"
+    return (
+        f"lr {lr:.3g}: train.lr {tuned:g} tuned at batch {reference}, scaled {rule} ({why}) to the global batch "
+        f"{global_batch}; train.lr_scaling=none keeps {tuned:g}"
+    )
 
 
 def planned_steps(cfg: Config, total_steps: int) -> str:

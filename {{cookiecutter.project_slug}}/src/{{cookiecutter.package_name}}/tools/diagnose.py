@@ -73,6 +73,32 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
     return rows
 
 
+def gpu_rows(precision: str, found: list[Gpu], nccl: str | None, planned: int) -> list[tuple[str, str, str]]:
+    """(verdict, topic, detail) rows about the GPUs for `diagnose doctor`."""
+    launch = f"{len(found)} visible (the count the launch scripts use), project planned for {planned} per node"
+    if not found:
+        return [(WARN if planned else PASS, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
+    rows = [(PASS if len(found) == planned else WARN, "GPUs", launch)]
+    rows.append((PASS, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
+    for gpu in found:
+        rows.append(_capability_row(precision, gpu))
+    mig = [gpu.index for gpu in found if gpu.is_mig]
+    if mig:
+        # CUDA shows a process one MIG instance, and NCCL cannot connect instances to each other
+        rows.append((WARN, "MIG", f"GPU(s) {mig} are MIG instances: train with one process (NPROC_PER_NODE=1)"))
+    return rows
+
+
+def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
+    major, minor = gpu.capability
+    detail = f"{gpu.name}, compute capability {major}.{minor}"
+    if precision == "bf16" and not hardware.bf16_native(gpu.capability):
+        return FAIL, f"GPU {gpu.index}", detail + ": bf16 is emulated here; use train.precision=fp16"
+    if precision == "fp16" and tuple(gpu.capability) < hardware.FP16_TENSOR_CORES:
+        return WARN, f"GPU {gpu.index}", detail + ": no tensor cores, fp16 brings little; fp32 is as fast"
+    return PASS, f"GPU {gpu.index}", detail + f": {precision} runs natively"
+
+
 def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
     available = cpus.cpus_available()
     auto = loaders.workers_per_rank(available, ranks, cfg.data.max_workers)
@@ -101,32 +127,6 @@ def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
     verdict = PASS if free_gib >= 1 else WARN
     hint = "" if verdict == PASS else "; loader workers may crash with 'bus error': raise it (docker --shm-size=8g)"
     return verdict, "/dev/shm", f"{free_gib:.1f} GiB free{hint}"
-
-
-def gpu_rows(precision: str, found: list[Gpu], nccl: str | None, planned: int) -> list[tuple[str, str, str]]:
-    """(verdict, topic, detail) rows about the GPUs for `diagnose doctor`."""
-    launch = f"{len(found)} visible (the count the launch scripts use), project planned for {planned} per node"
-    if not found:
-        return [(WARN if planned else PASS, "GPUs", launch + " (CPU runs use gloo; the scripts start 2 processes)")]
-    rows = [(PASS if len(found) == planned else WARN, "GPUs", launch)]
-    rows.append((PASS, "NCCL", nccl) if nccl else (FAIL, "NCCL", "this torch build has no NCCL: install a CUDA build"))
-    for gpu in found:
-        rows.append(_capability_row(precision, gpu))
-    mig = [gpu.index for gpu in found if gpu.is_mig]
-    if mig:
-        # CUDA shows a process one MIG instance, and NCCL cannot connect instances to each other
-        rows.append((WARN, "MIG", f"GPU(s) {mig} are MIG instances: train with one process (NPROC_PER_NODE=1)"))
-    return rows
-
-
-def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
-    major, minor = gpu.capability
-    detail = f"{gpu.name}, compute capability {major}.{minor}"
-    if precision == "bf16" and not hardware.bf16_native(gpu.capability):
-        return FAIL, f"GPU {gpu.index}", detail + ": bf16 is emulated here; use train.precision=fp16"
-    if precision == "fp16" and tuple(gpu.capability) < hardware.FP16_TENSOR_CORES:
-        return WARN, f"GPU {gpu.index}", detail + ": no tensor cores, fp16 brings little; fp32 is as fast"
-    return PASS, f"GPU {gpu.index}", detail + f": {precision} runs natively"
 
 
 def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:

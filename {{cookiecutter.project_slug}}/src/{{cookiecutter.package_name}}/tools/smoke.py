@@ -1,11 +1,13 @@
-"""The multi-GPU acceptance check: is DDP wired correctly on this machine?
+"""The multi-GPU acceptance check: is DDP wired correctly on this machine, for the run you configured?
 
-    scripts/smoke.sh                     # every local GPU, or 2 CPU processes without GPUs
-    torchrun --standalone --nproc_per_node=4 -m {{ cookiecutter.package_name }}.tools.smoke --config configs/smoke.yaml
+    scripts/smoke.sh                  # configs/default.yaml on every local GPU (2 CPU processes without)
+    scripts/smoke.sh --config configs/smoke.yaml                 # the tiny run the tests use
+    torchrun --standalone --nproc_per_node=4 -m {{ cookiecutter.package_name }}.tools.smoke
 
-Runs a short training with the project's own code and prints a PASS/FAIL/SKIP table on
-rank 0; exits 1 if any check fails. Every check runs on every rank (they gather results),
-so a failure never leaves a rank waiting in a collective.
+Trains a few steps of the configured model on the configured data in the configured precision
+(only SMOKE_RUN's settings change: the length, evaluation size and timeout), with the project's
+own code, and prints a PASS/FAIL/SKIP table on rank 0; exits 1 if any check fails. Every check
+runs on every rank (they gather results), so a failure never leaves a rank waiting in a collective.
 """
 
 from __future__ import annotations
@@ -199,14 +201,29 @@ def _peak_memory(info: DistInfo) -> str:
     return ", ".join(f"rank {i}: {mib:.0f} MiB" for i, mib in enumerate(peaks))
 
 
+# the smoke check's own run on top of the config (your overrides come after): a few steps, a
+# checkpoint mid-run and one at the end, an evaluation of the first samples, a short timeout
+SMOKE_RUN = [
+    "run.name=smoke-check",
+    "checkpoint.resume=never",
+    "train.max_steps=40",
+    "run.log_every=5",
+    "checkpoint.every_steps=20",
+    "train.eval_every=null",
+    "train.eval_limit=512",
+    "dist.timeout_minutes=5",
+    "run.trackers=[]",
+]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/smoke.yaml")
+    parser.add_argument("--config", default="configs/default.yaml", help="the run to check (default: yours)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     info = DistInfo.from_env()
     with exit_on_user_error():
-        cfg = config.load(args.config, ["run.name=smoke-check", "checkpoint.resume=never", *args.overrides])
+        cfg = config.load(args.config, [*SMOKE_RUN, *args.overrides])
         train.check_hardware(cfg, info)
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
 

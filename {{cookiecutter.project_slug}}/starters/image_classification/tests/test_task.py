@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import PACKAGE, SMOKE_CONFIG, TINY, read_metrics, run, torchrun, train_args
+from conftest import PACKAGE, SMOKE_CONFIG, read_metrics, run, torchrun, train_args
 from PIL import Image
 
 from {{ cookiecutter.package_name }} import config, data, loaders, model, preflight, samples, shapes, task, train
@@ -24,7 +24,7 @@ def tree(tmp_path_factory):
 
 
 def small_config(tree, *overrides):
-    return config.load(SMOKE_CONFIG, [*TINY, f"dataset.root={tree}", *overrides])
+    return config.load(SMOKE_CONFIG, [f"dataset.root={tree}", *overrides])
 
 
 def test_the_sample_tree_holds_real_images_drawn_the_same_every_time(tree, tmp_path):
@@ -188,7 +188,7 @@ def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
 
     # packed (encoded JPEG bytes and labels), the same run again: the same crops, the same weights
     packed = tmp_path / "packed"
-    run([sys.executable, "-m", f"{PACKAGE}.tools.pack", str(packed), "--config", SMOKE_CONFIG, *TINY], timeout=120)
+    run([sys.executable, "-m", f"{PACKAGE}.tools.pack", str(packed), "--config", SMOKE_CONFIG], timeout=120)
     in_order = ("run.name=shapes-shards", f"data.shards={packed}", "data.shards_order=shuffle")  # the tree's order
     torchrun(*train_args(tmp_path, *overrides[1:], *in_order), timeout=400)
     tree_top1, shards_top1 = (

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, TINY, project_env, read_metrics, torchrun, train_args
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -22,7 +22,7 @@ CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
 
 def small_config(*overrides):
-    return config.load(SMOKE_CONFIG, [*TINY, *overrides])
+    return config.load(SMOKE_CONFIG, [*overrides])
 
 
 def test_samples_are_consecutive_windows_with_targets_shifted_by_one():
@@ -122,6 +122,24 @@ def test_a_missing_token_directory_names_the_prepare_command(tmp_path):
         task.build_datasets(cfg)
 
 
+def test_after_a_swap_prepare_and_sample_stop_with_one_line_saying_what_to_adapt(tmp_path, monkeypatch, capsys):
+    monkeypatch.delattr(data, "SPLITS")  # a data.py of your own: no token files
+    with pytest.raises(SystemExit) as stopped:
+        prepare.main(["--out", str(tmp_path / "tokens")])
+    assert stopped.value.code == 2 and capsys.readouterr().err == (
+        "config error: tools.prepare works with the language-model starter's data.py (token files, a tokenizer), "
+        "and yours has no SPLITS: adapt tools/prepare.py to your data, or delete it\n"
+    )
+    monkeypatch.undo()
+    cfg = config.load(SMOKE_CONFIG)
+    saved = tmp_path / "step_00000001.pt"
+    torch.save({"config": config.to_dict(cfg), "model": torch.nn.Linear(2, 2).state_dict()}, saved)
+    monkeypatch.setattr(task, "build_model", lambda cfg: torch.nn.LSTM(2, 2))  # a model of your own: no context
+    with pytest.raises(SystemExit) as stopped:
+        sample.main([str(saved), "--tokens", "3"])
+    assert stopped.value.code == 2 and "and your model has no `context`: adapt generate()" in capsys.readouterr().err
+
+
 def test_generate_returns_the_tokens_asked_for_and_greedy_is_repeatable():
     model = task.build_model(small_config())
     first = sample.generate(model, [100, 101], tokens=70, temperature=0, top_k=None)
@@ -176,7 +194,6 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
         str(packed),
         "--config",
         SMOKE_CONFIG,
-        *TINY,
         overrides[0],
     ]
     subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, timeout=120, check=True)

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, config
-from ..data import tokenizer_name
-from ..model import build_model
+from .. import checkpoint, config, data, task
 from ..rules import ConfigError, exit_on_user_error
-from .prepare import load_tokenizer
+from .prepare import check_starter_data, load_tokenizer
 
 
 @torch.no_grad()
@@ -49,9 +47,14 @@ def load(path: Path, device: torch.device):
     """(model on `device`, tokenizer) from a checkpoint file or a run directory."""
     _, state = checkpoint.find(path)
     cfg = config.from_dict(state["config"])
-    model = build_model(cfg)
+    model = task.build_model(cfg)
+    if not isinstance(getattr(model, "context", None), int):
+        raise ConfigError(
+            "tools.sample generates with the starter's GPT (forward(token ids) -> logits, and its `context`), "
+            "and your model has no `context`: adapt generate() in tools/sample.py to your model, or delete it"
+        )
     model.load_state_dict(state["model"])
-    tokenizer = load_tokenizer(tokenizer_name(cfg))
+    tokenizer = load_tokenizer(data.tokenizer_name(cfg))
     return model.to(device), tokenizer
 
 
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     with exit_on_user_error():
+        check_starter_data("tools.sample")
         if args.tokens < 0 or args.temperature < 0:
             raise ConfigError("--tokens and --temperature: use numbers >= 0")
         model, tokenizer = load(args.checkpoint, torch.device(args.device))
