@@ -300,7 +300,7 @@ def test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrup
 @pytest.mark.slow
 @needs_litdata
 def test_the_proofs_and_exact_evaluation_hold_on_shards_for_world_sizes_1_2_3(tmp_path, packed):
-    on_shards = f"data.shards={packed}"
+    on_shards = (f"data.shards={packed}",)
     proofs = torchrun(PROOFS, str(tmp_path), *on_shards, nproc=2, timeout=180)
     assert "proofs on 2 ranks: PASS (0 failed, 0 warnings)" in proofs.stdout
     torchrun(PROOFS, str(tmp_path), "--only", "eval", *on_shards, nproc=3, timeout=120)

@@ -59,9 +59,11 @@ def test_a_swap_of_the_seam_files_trains_passes_smoke_and_keeps_the_proofs(tmp_p
     project, env, changed = swap(tmp_path, example)
     assert set(changed) <= {"model.py", "data.py", "task.py"}  # the seam files the README names
 
-    # the smoke check trains configs/smoke.yaml's run (60 steps, an evaluation at the end) on 2 ranks
+    # the smoke check on the tests' tiny run (configs/smoke.yaml: the swap's test-sized defaults),
+    # 60 steps on 2 ranks and an evaluation at the end, whose metric must show it learned
     runs = tmp_path / "runs"
-    smoke = launch(project, env, "bash", "scripts/smoke.sh", f"run.out_dir={runs}")
+    smoke = ["bash", "scripts/smoke.sh", "--config", "configs/smoke.yaml", "train.max_steps=60", f"run.out_dir={runs}"]
+    smoke = launch(project, env, *smoke)
     assert "smoke: PASS (0 failed" in smoke.stdout, smoke.stdout
     assert "eval step 60" in smoke.stdout
     metric, good_enough = SWAPS[example]

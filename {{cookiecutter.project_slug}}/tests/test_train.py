@@ -43,7 +43,7 @@ def test_two_process_run_trains_and_reports(tmp_path):
     for line in (
         "world size 2 (2 per node), backend gloo",
         "global batch 32 = 16 per device x 2 ranks x 1",
-        f"lr {smoke.train.lr:.3g} (auto scaling of {smoke.train.lr:g} tuned at batch 32)",
+        f"lr {smoke.train.lr:.3g} (train.lr, tuned at batch 32; global batch 32: not scaled)",
         "static memory per device",
         "loader workers per rank",
         f"eval step {epoch} | epoch 0 | loss ",
@@ -278,6 +278,15 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
 @pytest.mark.parametrize(("precision", "per_param"), [("fp32", 16), ("bf16", 20), ("fp16", 20)])
 def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(precision, per_param):
     assert train.static_memory_bytes(1_000_000, precision) == 1_000_000 * per_param  # P28
+
+
+def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():
+    sgd = config.load(SMOKE_CONFIG, ["optim.name=sgd", "train.lr=0.1", "train.reference_batch_size=32"])
+    assert train.lr_line(sgd, 0.2, 64) == (
+        "lr 0.2: train.lr 0.1 tuned at batch 32, scaled linear (train.lr_scaling=auto for sgd) to the global "
+        "batch 64; train.lr_scaling=none keeps 0.1"
+    )
+    assert train.lr_line(config.load(SMOKE_CONFIG, ["train.lr_scaling=none"]), 0.01, 64).endswith("not scaled)")
 
 
 def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
