@@ -13,6 +13,7 @@ if a mutant survived. About 30 s a mutant on 2 CPU cores; not part of CI.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,20 @@ def in_package(module: str) -> Path:
     return PACKAGE / f"{module}.py"
 
 
-TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST = (in_package(m) for m in ("train", "loaders", "optim", "checkpoint", "dist"))
+TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING = (
+    in_package(m) for m in ("train", "loaders", "optim", "checkpoint", "dist", "sharding")
+)
+WRAP = "    model = wrap(raw_model, cfg, info)\n"
+BUILD_UP_TO_THE_OPTIMIZER = (
+    "    loaders.check_equal_lengths(len(train_loader), info)\n\n"
+    "    global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps\n"
+    "    steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps\n"
+    '    total_steps = min(cfg.train.epochs * steps_per_epoch, cfg.train.max_steps or float("inf"))\n'
+    "    rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)\n"
+    "    lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)\n"
+    "    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)\n"
+    "    optimizer = optim.build_optimizer(raw_model, cfg, lr)\n"
+)
 MUTANTS = [
     Mutant(
         "no timeout at init",
@@ -104,9 +118,9 @@ MUTANTS = [
     Mutant(
         "no_sync not used",
         "P16 accumulation with no_sync",
-        TRAIN,
-        "with nullcontext() if syncs or not info.distributed else job.model.no_sync():",
-        "with nullcontext():",
+        SHARDING,
+        "    return nullcontext() if syncs or not info.distributed else model.no_sync()",
+        "    return nullcontext()",
     ),
     Mutant(
         "loss over local terms",
@@ -252,9 +266,9 @@ MUTANTS = [
     Mutant(
         "Adam moments left out of the memory estimate",
         "P28 memory accounting",
-        TRAIN,
-        'return params * (4 + 4 + 8 + (4 if precision != "fp32" else 0))',
-        'return params * (4 + 4 + (4 if precision != "fp32" else 0))',
+        SHARDING,
+        "    return 16 * params // shards",
+        "    return 8 * params // shards",
     ),
     Mutant(
         "eval padding counted",
@@ -288,6 +302,44 @@ MUTANTS = [
         "",
         slow=("tests/test_train.py::test_evaluate_gives_a_checkpoint_the_metrics_its_training_run_logged",),
     ),
+    Mutant(
+        "fsdp unit not sharded",
+        "FSDP shards every unit",
+        SHARDING,
+        "        if unit not in norms:\n            fully_shard(unit, mp_policy=mixed, **options)",
+        "        if unit not in norms and unit is not chosen[0]:\n"
+        "            fully_shard(unit, mp_policy=mixed, **options)",
+    ),
+    Mutant(
+        "fsdp tied weights split over units",
+        "FSDP keeps tied weights in one group",
+        SHARDING,
+        "            if id(param) in inside and id(owner) not in members:",
+        "            if False:",
+    ),
+    Mutant(
+        "fsdp clip over the local shard only",
+        "FSDP clips the whole gradient's norm",
+        TRAIN,
+        "        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)",
+        "        nn.utils.clip_grad_norm_(\n"
+        "            [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()],\n"
+        "            cfg.train.grad_clip,\n        )",
+    ),
+    Mutant(
+        "fsdp no gradient sync on the last micro-batch",
+        "FSDP reduces the step's gradients",
+        SHARDING,
+        "        model.set_requires_gradient_sync(syncs or cfg.fsdp.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(not syncs and cfg.fsdp.reduce_every_micro_batch)",
+    ),
+    Mutant(
+        "fsdp optimizer built before sharding",
+        "FSDP: the optimizer steps the shards",
+        TRAIN,
+        WRAP + BUILD_UP_TO_THE_OPTIMIZER,
+        BUILD_UP_TO_THE_OPTIMIZER + WRAP,  # the optimizer holds the parameters fully_shard replaces
+    ),
 ]
 
 
@@ -296,6 +348,7 @@ ANY_PROOF = (
     "test_the_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold",
     "test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_causes",
     "test_a_proof_that_ran_no_step_fails_instead_of_passing_on_nothing",
+    "test_the_fsdp_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold",
 )
 
 
@@ -317,7 +370,7 @@ def run_tests(project: Path, args: list[str], report: Path) -> tuple[int, list[s
 
 
 def try_mutant(mutant: Mutant, baked: Path, work: Path) -> dict:
-    project = work / mutant.name.replace(" ", "-")
+    project = work / re.sub(r"[^A-Za-z0-9_.-]+", "-", mutant.name)  # a ':' would split PYTHONPATH
     shutil.copytree(baked, project)
     mutant.apply(project)
     start = time.monotonic()

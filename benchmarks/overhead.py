@@ -44,9 +44,13 @@ def torchrun(script: Path | str, *args: str, python: str = sys.executable) -> li
 
 
 def bake(out: Path) -> Path:
+    return bake_task(out, "classifier")
+
+
+def bake_task(out: Path, task: str) -> Path:
     from cookiecutter.main import cookiecutter
 
-    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out)))
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out), extra_context={"task": task}))
 
 
 LOOPS = {

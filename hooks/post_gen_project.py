@@ -53,6 +53,7 @@ def resolve(answers: dict) -> tuple[dict, list[str]]:
     settings = {
         "data.batch_size": batch,
         "train.grad_accum_steps": accum,
+        "train.strategy": answers["strategy"],
         "train.precision": answers["precision"],
         "train.compile": bool(answers["compile"]),
         "train.sync_batchnorm": sync_bn,
@@ -159,7 +160,8 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
     global_batch = settings["data.batch_size"] * world * settings["train.grad_accum_steps"]
     lines = [
         f"Created {answers['project_slug']} (package {answers['package_name']}).",
-        f"  precision {settings['train.precision']}, SyncBatchNorm {on_off[settings['train.sync_batchnorm']]}, "
+        f"  {settings['train.strategy']}, precision {settings['train.precision']}, "
+        f"SyncBatchNorm {on_off[settings['train.sync_batchnorm']]}, "
         f"torch.compile {on_off[settings['train.compile']]}, accumulation {settings['train.grad_accum_steps']}",
         f"  global batch on {world} GPU(s): {settings['data.batch_size']} x {world} x "
         f"{settings['train.grad_accum_steps']} = {global_batch}",

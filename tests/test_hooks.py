@@ -23,6 +23,7 @@ DEFAULTS = {
     "precision": "bf16",
     "sync_batchnorm": True,
     "compile": False,
+    "strategy": "ddp",
     "grad_accum_steps": "1",
     "per_device_batch_size": "32",
     "slurm": True,

@@ -1,12 +1,14 @@
 """Proofs of the distributed maths, run under torchrun (2 ranks on CPU/gloo in the tests).
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_proofs.py OUT_DIR [--only eval] [section.key=value ...]
+    torchrun --standalone --nproc_per_node=2 tests/dist_proofs.py OUT_DIR [--only eval|fsdp] [section.key=value ...]
+    torchrun ... tests/dist_proofs.py OUT_DIR --resume CHECKPOINT [section.key=value ...]   # loads it exactly?
 
 Each proof uses the project's own loop for the distributed side and, as the reference, one
 plain process written here by hand. Both see the task only through its seam (task.py), so
 the proofs hold for whatever model, data and loss the project trains. Rank 0 prints a
-PASS/FAIL line per proof (exit code 1 if one fails) and writes OUT_DIR/proofs-<world size>.json,
-on which test_distributed.py asserts, one test per practice.
+PASS/FAIL line per proof (exit code 1 if one fails) and writes OUT_DIR/proofs-<world size>.json
+(fsdp-<world size>.json for `--only fsdp`, the sharded loop's proofs), on which
+test_distributed.py asserts, one test per practice.
 """
 
 from __future__ import annotations
@@ -26,7 +28,18 @@ from torch.utils.data import Dataset, Subset
 # run as a script (`torchrun tests/dist_proofs.py`), it finds the project's package without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from {{ cookiecutter.package_name }} import config, dist, loaders, preemption, task, train  # noqa: E402
+from {{ cookiecutter.package_name }} import (  # noqa: E402
+    checkpoint,
+    config,
+    dist,
+    loaders,
+    optim,
+    preemption,
+    records,
+    sharding,
+    task,
+    train,
+)
 from {{ cookiecutter.package_name }}.dist import DistInfo  # noqa: E402
 from {{ cookiecutter.package_name }}.tools import checks  # noqa: E402
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS  # noqa: E402
@@ -47,6 +60,9 @@ TOO_FEW_SAMPLES = (
     "in the accumulation proof): pass a smaller data.batch_size after the command"
 )
 EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
+# the sharded loop's proofs: activation checkpointing on, and a clip norm every step reaches
+SHARDED = ["train.strategy=fsdp", "train.activation_checkpointing=full", "train.grad_clip=0.01"]
+UPDATE_TOLERANCE = 1e-5  # of the largest weight: the norm of sharded gradients sums in another order
 
 
 def rank_orders(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
@@ -114,8 +130,7 @@ def steps_recorded(steps: list):
     optimizer_step = train.optimizer_step
 
     def recording(model, state, cfg) -> None:
-        weights = {name: value.detach().clone() for name, value in dist.bare(model).state_dict().items()}
-        steps.append((weights, [p.grad.detach().clone() for p in model.parameters()]))
+        steps.append((whole_weights(model), [whole(p.grad).detach().clone() for p in model.parameters()]))
         optimizer_step(model, state, cfg)
 
     train.optimizer_step = recording
@@ -123,6 +138,15 @@ def steps_recorded(steps: list):
         yield
     finally:
         train.optimizer_step = optimizer_step
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole (every rank must call it); a plain one as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def whole_weights(model) -> dict:
+    return {name: whole(value).detach().clone() for name, value in dist.bare(model).state_dict().items()}
 
 
 def world_of_one() -> DistInfo:
@@ -139,16 +163,103 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
     )
     job = train.build(cfg, info)
     counter, recorded = CommCounter(), []
-    job.model.register_comm_hook(counter, counting_allreduce_hook)
+    if not dist.sharded(job.model):
+        job.model.register_comm_hook(counter, counting_allreduce_hook)
     with steps_recorded(recorded), train.training_log(job, cfg, info) as log:
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
-    return {
+    update = reference_update_error(cfg, job, recorded, whole_weights(job.model))
+    evaluation = sharded_evaluation(job, cfg, info) | held_bytes(job, info) if dist.sharded(job.model) else {}
+    return evaluation | {
         "gradient_error": reference_gradient_error(cfg, info.world_size, recorded),
+        "update_error": update,
         # after the run's last evaluation: each rank's buffers (BatchNorm statistics of its own batches) or rank 0's
         "buffers": dist.all_gather_objects([buffer.double().sum().item() for buffer in job.model.buffers()]),
         "steps": job.state.step,
         "buckets_per_sync": counter.buckets_per_sync,
         "micro_batches": steps * accum,
+    }
+
+
+def reference_update_error(cfg, job: train.Job, steps: list, final_weights: dict) -> float:
+    """Largest difference between the loop's weights after its steps and those of one plain
+    model that the loop's own optimizer step (clipping, optimizer, schedule) moves with the
+    loop's gradients, relative to the largest weight: under FSDP each rank updates its shard,
+    and the whole must be the update of the whole."""
+    model = task.build_model(cfg)
+    model.load_state_dict(steps[0][0])
+    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, job.global_batch, cfg.train.reference_batch_size)
+    optimizer = optim.build_optimizer(model, cfg, job.state.optimizer.param_groups[0]["initial_lr"])
+    scheduler = optim.build_scheduler(optimizer, cfg, job.total_steps, warmup)
+    state = train.TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    for _, gradients in steps:
+        for param, gradient in zip(model.parameters(), gradients, strict=True):
+            param.grad = gradient.clone()
+        train.optimizer_step(model, state, cfg)
+    params = dict(model.named_parameters())
+    largest = max(final_weights[name].abs().max().item() for name in params)
+    return max((final_weights[name] - param).abs().max().item() for name, param in params.items()) / largest
+
+
+def sharded_evaluation(job: train.Job, cfg, info: DistInfo) -> dict:
+    """The sharded model's evaluation, and one plain process's with the same whole weights
+    (rank 0's BatchNorm statistics, which the loop's evaluation broadcasts first). Every rank
+    evaluates alone for the latter, so its sums (and sample count) are the world size's multiple;
+    its metrics, ratios of sums, are one process's."""
+    ours = train.evaluate(job.model, job.eval_loader, cfg, info)
+    model = task.build_model(cfg)
+    model.load_state_dict(whole_weights(job.model))
+    train_set, eval_set = loaders.datasets(cfg)
+    eval_loader = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[1]
+    alone = train.evaluate(model, eval_loader, cfg, world_of_one())
+    return {"evaluation": ours, "evaluation_alone": alone, "eval_set": len(eval_set)}
+
+
+def held_bytes(job: train.Job, info: DistInfo) -> dict:
+    """This rank's bytes of weights, gradients (as many as the weights' shards: reduce-scattered
+    in fp32) and optimizer state, with the estimate the start-up line prints and DDP's."""
+    local = [p.to_local() for p in job.model.parameters()]
+    weights = sum(t.numel() * t.element_size() for t in local)
+    states = [value for state in job.state.optimizer.state.values() for value in state.values()]
+    optimizer = sum(
+        v.to_local().numel() * v.element_size() if hasattr(v, "to_local") else v.numel() * v.element_size()
+        for v in states
+        if isinstance(v, torch.Tensor) and v.dim() > 0  # AdamW's step counts are scalars
+    )
+    params = sum(p.numel() for p in job.model.parameters())
+    return {
+        "held_bytes": dist.all_gather_objects(2 * weights + optimizer),
+        "estimated_bytes": sharding.state_bytes(params, info.world_size),
+        "ddp_bytes": sharding.state_bytes(params, 1),
+    }
+
+
+def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
+    """What wrap did under train.strategy=fsdp: every unit and the root sharded, every parameter
+    a shard, each unit's activations recomputed."""
+    cfg = config.load(SMOKE, [*SHARDED, *overrides])
+    model = train.wrap(task.build_model(cfg), cfg, info)
+    units = sharding.units(model)
+    return {
+        "units": len(units),
+        "units_sharded": sum(dist.sharded(unit) for unit in units),
+        "root_sharded": dist.sharded(model),
+        "parameters_sharded": all(hasattr(p, "full_tensor") for p in model.parameters()),
+        "units_recomputed": sum(getattr(unit.forward, "func", None) is sharding.checkpoint for unit in units),
+        "units_with_batchnorm": sum(
+            any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in unit.modules()) for unit in units
+        ),
+    }
+
+
+def prove_sharded(out: Path, overrides: list[str], info: DistInfo) -> dict:
+    sharded = [*SHARDED, *overrides]
+    whole_gradients = [*sharded, "fsdp.reduce_every_micro_batch=false"]
+    return {
+        "world_size": info.world_size,
+        "equivalence": prove_ddp_equals_big_batch(out / "fsdp", sharded, info, accum=1, steps=3),
+        "accumulation": prove_ddp_equals_big_batch(out / "fsdp", sharded, info, accum=4, steps=2),
+        "accumulation_whole": prove_ddp_equals_big_batch(out / "fsdp-whole", whole_gradients, info, accum=4, steps=2),
+        "sharding": prove_sharding(overrides, info),
     }
 
 
@@ -176,7 +287,7 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     pairs = list(zip(job.model.parameters(), reference.parameters(), mean_of_means.parameters(), strict=True))
     return {
         "terms": [float(task.count_terms(b)) for b in batches],
-        "max_difference": max((a.grad - b.grad).abs().max().item() for a, b, _ in pairs),
+        "max_difference": max((whole(a.grad) - b.grad).abs().max().item() for a, b, _ in pairs),
         "mean_of_means_difference": max((b.grad - c.grad).abs().max().item() for _, b, c in pairs),
     }
 
@@ -309,6 +420,46 @@ def verdicts(results: dict) -> list[checks.Row]:
     return rows
 
 
+def sharded_verdicts(results: dict) -> list[checks.Row]:
+    """One row per proof of the sharded loop (`--only fsdp`)."""
+    rows = []
+    for name, what in (
+        ("equivalence", "FSDP == 1 process"),
+        ("accumulation", "FSDP accumulation"),
+        ("accumulation_whole", "FSDP accumulation, whole gradients"),
+    ):
+        result = results[name]
+        error, update, steps = result["gradient_error"], result["update_error"], result["steps"]
+        detail = f"gradient {error:.1e}, update {update:.1e} of the largest ({steps} steps)"
+        held = steps > 0 and error < GRADIENT_TOLERANCE and update < UPDATE_TOLERANCE
+        rows.append((PASS, what, detail) if held else (FAIL, what, f"{detail}; {DRIFT}" if steps else TOO_FEW_SAMPLES))
+        counted = result["evaluation"]["eval_samples"] == result["eval_set"]
+        alike = metrics_alike(result["evaluation"], result["evaluation_alone"])
+        detail = f"{result['evaluation']['eval_samples']} samples of {result['eval_set']}"
+        rows.append((PASS if counted and alike else FAIL, f"{what}: evaluation", detail))
+    shard = results["sharding"]
+    wrapped = shard["root_sharded"] and shard["parameters_sharded"] and shard["units_sharded"] == shard["units"] > 0
+    recomputed = shard["units_recomputed"] + shard["units_with_batchnorm"] == shard["units"]
+    detail = f"{shard['units_sharded']} of {shard['units']} units and the root; {shard['units_recomputed']} recompute"
+    rows.append((PASS if wrapped and recomputed else FAIL, "FSDP wrapping", detail))
+    return [*rows, memory_verdict(results["equivalence"])]
+
+
+def memory_verdict(result: dict) -> checks.Row:
+    """Each rank holds about 1/N of DDP's weights, gradients and optimizer state, as estimated."""
+    held, estimate, whole = max(result["held_bytes"]), result["estimated_bytes"], result["ddp_bytes"]
+    share, off = held / whole, abs(estimate - held) / held
+    detail = f"{held / 2**10:.0f} KiB a rank: {share:.2f} of DDP's, estimate off by {off:.1%}"
+    fits = share <= 1 / len(result["held_bytes"]) + 0.05 and off <= 0.1
+    return (PASS if fits else FAIL), "FSDP memory", detail
+
+
+def metrics_alike(ours: dict, alone: dict) -> bool:
+    """The same metrics within fp32 rounding (sums taken in another order), sample counts aside."""
+    names = [name for name in alone if name != records.EVAL_SAMPLES]
+    return ours.keys() == alone.keys() and all(abs(ours[k] - alone[k]) <= 1e-6 * max(1.0, abs(alone[k])) for k in names)
+
+
 def reshuffle_verdict(orders: list[list[list[int]]]) -> checks.Row:
     """Each epoch splits the samples over the ranks, in a new order on every rank."""
     what = "new order every epoch"
@@ -325,7 +476,8 @@ def reshuffle_verdict(orders: list[list[list[int]]]) -> checks.Row:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--only", choices=["eval"], default=None)
+    parser.add_argument("--only", choices=["eval", "fsdp"], default=None)
+    parser.add_argument("--resume", type=Path, default=None, help="prove that this checkpoint loads exactly")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -343,7 +495,36 @@ def threads_not_from_python() -> int:
     return len(list(Path("/proc/self/task").iterdir())) - threading.active_count()
 
 
+def prove_resume(out: Path, overrides: list[str], info: DistInfo, path: Path) -> dict:
+    """Load `path` into the loop's model and optimizer, as the run's settings build them (any
+    strategy, any world size), and gather their whole state back: is it the file's, bit for bit?"""
+    cfg = exact_config(out, overrides, "run.name=resumed")
+    job = train.build(cfg, info)
+    checkpoint.resume(job.model, job.state, cfg.run_dir, str(path), info, config.to_dict(cfg))
+    weights, optimizer = checkpoint.full_state(job.model, job.state.optimizer)
+    if not info.is_main:
+        return {}
+    _, saved = checkpoint.find(path)  # the file, or a run directory's newest
+    differ = [name for name, value in weights.items() if not torch.equal(value, saved["model"][name])]
+    for name, state in saved["optimizer"]["state"].items():
+        ours = optimizer["state"][name]
+        differ += [f"{name}.{key}" for key, value in state.items() if not torch.equal(ours[key], value)]
+    return {"differ": differ, "names": len(weights), "strategy": cfg.train.strategy, "world_size": info.world_size}
+
+
 def prove(args: argparse.Namespace, info: DistInfo) -> int:
+    if args.resume is not None:
+        result = prove_resume(args.out, args.overrides, info, args.resume)
+        if info.is_main:
+            (args.out / "resume.json").write_text(json.dumps(result))
+        return 0
+    if args.only == "fsdp":
+        results = prove_sharded(args.out, args.overrides, info)
+        rows = sharded_verdicts(results)
+        if info.is_main:
+            (args.out / f"fsdp-{info.world_size}.json").write_text(json.dumps(results))
+            print(checks.table(f"fsdp proofs on {info.world_size} ranks", rows), flush=True)
+        return checks.exit_code(rows)
     results = {"world_size": info.world_size, "eval": prove_eval_counts(args.overrides, info)}
     if args.only is None:
         results |= {

@@ -12,12 +12,13 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, run, torchrun
 
-from {{ cookiecutter.package_name }} import config, loaders, task
+from {{ cookiecutter.package_name }} import config, loaders, sharding, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import checks
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
+needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +175,66 @@ def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in()
     loop = [next(iter(loader)) for loader in epoch_1_loaders]
     for ours, theirs in zip(reference, loop, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(leaves(ours), leaves(theirs), strict=True))
+
+
+@pytest.fixture(scope="module")
+def sharded_launch(tmp_path_factory):
+    """The sharded loop's proofs, in a launch of their own: FSDP keeps the process group's gloo
+    threads alive past teardown (torch 2.14), which the teardown proof above must not see."""
+    out = tmp_path_factory.mktemp("fsdp")
+    return torchrun(PROOFS, str(out), "--only", "fsdp", nproc=2, timeout=180, check=False), out
+
+
+@pytest.fixture(scope="module")
+def sharded(sharded_launch):
+    result, out = sharded_launch
+    assert (out / "fsdp-2.json").exists(), result.stdout[-3000:] + result.stderr[-5000:]
+    return json.loads((out / "fsdp-2.json").read_text())
+
+
+@needs_fsdp
+def test_the_fsdp_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(sharded_launch):
+    result, _ = sharded_launch
+    assert result.returncode == 0 and "fsdp proofs on 2 ranks: PASS (0 failed" in result.stdout, result.stdout[-3000:]
+    assert sum(line.startswith("PASS") for line in result.stdout.splitlines()) == 8
+
+
+@needs_fsdp
+@pytest.mark.parametrize("name", ["equivalence", "accumulation", "accumulation_whole"])
+def test_fsdp_gradients_and_updates_equal_one_process_on_the_global_batch(sharded, name):
+    # accumulation over 4 micro-batches, gradients reduced at each (sharded between them) or only
+    # at the last (whole); activation checkpointing on; clipping at every step, over the shards
+    result = sharded[name]
+    assert result["steps"] > 0
+    assert result["gradient_error"] < dist_proofs.GRADIENT_TOLERANCE, dist_proofs.DRIFT
+    assert result["update_error"] < dist_proofs.UPDATE_TOLERANCE  # the sharded optimizer's step is the whole one's
+
+
+@needs_fsdp
+def test_fsdp_evaluation_counts_each_sample_once_with_rank_0s_batchnorm_statistics(sharded):
+    result = sharded["equivalence"]
+    assert result["evaluation"]["eval_samples"] == result["eval_set"]
+    assert dist_proofs.metrics_alike(result["evaluation"], result["evaluation_alone"])
+    first, second = result["buffers"]
+    assert first == second  # broadcast from rank 0 before evaluating, as DDP leaves them
+
+
+@needs_fsdp
+def test_fsdp_shards_every_unit_and_recomputes_their_activations(sharded):
+    shard = sharded["sharding"]
+    assert shard["units"] > 0 and shard["units_sharded"] == shard["units"] and shard["root_sharded"]
+    assert shard["parameters_sharded"]
+    assert shard["units_recomputed"] == shard["units"] - shard["units_with_batchnorm"]
+
+
+@needs_fsdp
+def test_fsdp_holds_half_of_ddps_state_on_two_ranks_as_estimated(sharded):
+    verdict, _, detail = dist_proofs.memory_verdict(sharded["equivalence"])
+    assert verdict == PASS, detail
+
+
+@needs_fsdp
+@pytest.mark.slow
+def test_fsdp_proofs_hold_on_three_ranks_with_uneven_shards(tmp_path):
+    result = torchrun(PROOFS, str(tmp_path), "--only", "fsdp", nproc=3, timeout=240, check=False)
+    assert "fsdp proofs on 3 ranks: PASS" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

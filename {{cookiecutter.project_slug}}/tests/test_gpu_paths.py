@@ -1,13 +1,14 @@
 """The GPU paths on real GPUs (`pytest -m gpu`): the GPU-count guard, the bf16 rule on the
 rank's own GPU without touching GPU 0, where ranks really compute (the smoke check's device
-row), and the device bound before the process group is created. Skipped, with the reason,
+row), the device bound before the process group is created, and train.strategy=fsdp on nccl
+(the proofs, bf16 gathering, CPU offload). Skipped, with the reason,
 where the GPUs are missing; the same logic with CUDA faked is in test_hardware.py."""
 
 import sys
 
 import pytest
 import torch
-from conftest import PACKAGE, needs_cuda, needs_gpus, project_env, run, torchrun
+from conftest import PACKAGE, PROJECT, needs_cuda, needs_gpus, project_env, run, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import dist, hardware
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -112,3 +113,19 @@ def test_the_device_is_bound_before_the_group_and_the_smoke_row_sees_what_cuda_r
     result = torchrun(str(script), nproc=2, timeout=180)
     assert "bound=True sum=2 good=[]" in result.stdout
     assert "rank 1 computes on cuda:0, not cuda:1" in result.stdout and "share GPU" in result.stdout
+
+
+@needs_gpus(2)
+def test_fsdp_proofs_hold_on_two_gpus_with_nccl(tmp_path):
+    proofs = str(PROJECT / "tests" / "dist_proofs.py")
+    result = torchrun(proofs, str(tmp_path), "--only", "fsdp", nproc=2, timeout=300, check=False)
+    assert "fsdp proofs on 2 ranks: PASS" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("offload", ["false", "true"])
+def test_fsdp_trains_in_bf16_on_two_gpus_with_and_without_cpu_offload(tmp_path, offload):
+    # bf16 gathering with fp32 gradient reduction; offload: the state in CPU memory, gloo beside nccl
+    overrides = ("train.strategy=fsdp", "train.precision=bf16", f"fsdp.cpu_offload={offload}")
+    result = torchrun(*train_args(tmp_path, *overrides), timeout=300)
+    assert "strategy fsdp on 2 ranks" in result.stdout and "done:" in result.stdout

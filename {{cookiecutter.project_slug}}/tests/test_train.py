@@ -23,7 +23,17 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import checkpoint, config, dist, hardware, preemption, records, task, train
+from {{ cookiecutter.package_name }} import (
+    checkpoint,
+    config,
+    dist,
+    hardware,
+    preemption,
+    records,
+    sharding,
+    task,
+    train,
+)
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.task import build_model
@@ -277,7 +287,9 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
 
 @pytest.mark.parametrize(("precision", "per_param"), [("fp32", 16), ("bf16", 20), ("fp16", 20)])
 def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(precision, per_param):
-    assert train.static_memory_bytes(1_000_000, precision) == 1_000_000 * per_param  # P28
+    cfg = config.load(SMOKE_CONFIG, [f"train.precision={precision}"])
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 1,000,000 parameters
+    assert sharding.static_memory_bytes(model, [], cfg, 8) == 1_000_000 * per_param  # P28: DDP holds all of it
 
 
 def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():

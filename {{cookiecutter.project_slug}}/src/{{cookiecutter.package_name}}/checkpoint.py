@@ -1,8 +1,10 @@
 """Complete, atomic, rank-0 checkpoints; the one lookup of the checkpoint to load; auto-resume.
 
 Each checkpoint is one file in the run directory's checkpoints/ (rundir.py), step_00000500.pt
-for the state after optimizer step 500. It appears only once it is complete (written to a
-temporary file, fsynced, renamed), so a crash at any moment leaves the previous ones intact.
+for the state after optimizer step 500: the whole state under the parameters' names, gathered to
+rank 0 under either strategy, so it resumes under ddp or fsdp on any world size. It appears
+only once it is complete (written to a temporary file, fsynced, renamed), so a crash at any
+moment leaves the previous ones intact.
 `newest_loadable` and `find` are how every command finds the checkpoint to load.
 """
 
@@ -37,8 +39,8 @@ class TrainState:
     tracked_run_id: str | None = None  # the W&B / MLflow run this training run continues (tracking.py)
 
     def state_dict(self) -> dict:
+        """All but the optimizer's state, which full_state gathers under the parameters' names."""
         return {
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
@@ -48,7 +50,6 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
@@ -94,11 +95,11 @@ def _as_tuples(value):
 def save(model: nn.Module, state: TrainState, run_dir: RunDir, config: dict, info: DistInfo, keep_last: int) -> Path:
     """Write the weights and the state from rank 0; every rank must call this (it holds collectives).
 
-    Weights holding NaN or inf are never written (every rank finds them: DDP keeps the replicas
-    equal), so the newest checkpoint is always one a run can continue from.
+    Weights holding NaN or inf are never written (rank 0 finds them and every rank raises), so
+    the newest checkpoint is always one a run can continue from.
     """
-    weights = dist.bare(model).state_dict()
-    broken = nonfinite(weights)
+    weights, optimizer = full_state(model, state.optimizer)
+    broken = dist.broadcast_object(nonfinite(weights) if info.is_main else None)
     if broken:
         raise FloatingPointError(
             f"not writing the checkpoint of step {state.step}: {len(broken)} weights hold nan or inf "
@@ -107,12 +108,40 @@ def save(model: nn.Module, state: TrainState, run_dir: RunDir, config: dict, inf
     rng_per_rank = dist.all_gather_objects(rng_state())  # collective: outside the rank-0 branch
     path = run_dir.checkpoint(state.step)
     if info.is_main:
-        payload = {"model": weights} | state.state_dict()
+        payload = {"model": weights, "optimizer": optimizer} | state.state_dict()
         payload |= {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
         atomic_save(_to_cpu(payload), path)
         prune(run_dir, keep_last)
     dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
     return path
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(weights, optimizer state) of the whole model, keyed by the parameters' names: on rank 0's
+    CPU under FSDP, where every rank takes part in gathering them and the others get empty dicts."""
+    # imported here: torch.distributed.checkpoint is heavy, and only a save or a resume needs it
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options) if dist.sharded(model) else dist.bare(model).state_dict()
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, payload: dict) -> None:
+    """The weights and optimizer state of a checkpoint into `model` and `optimizer`, whatever the
+    strategy and world size that wrote it: every rank holds the file and keeps its own shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    if dist.sharded(model):
+        set_model_state_dict(model, payload["model"], options=options)
+    else:
+        dist.bare(model).load_state_dict(payload["model"])
+    saved = payload["optimizer"]
+    if any(isinstance(key, int) for group in saved["param_groups"] for key in group["params"]):
+        optimizer.load_state_dict(saved)  # written by optimizer.state_dict(): positions, not names
+    else:
+        set_optimizer_state_dict(model, optimizer, saved, options=options)
 
 
 def atomic_save(payload: dict, path: Path) -> None:
@@ -276,7 +305,7 @@ def resume(
     problem = shards.resume_problem(payload, info.world_size, config)
     if problem:
         raise ConfigError(f"checkpoint.resume: {chosen.name} {problem}")
-    weights.load_state_dict(payload["model"])
+    load_full_state(model, state.optimizer, payload)
     state.load_state_dict(payload)
     changes = changed_settings(payload["config"], config)
     if changes:

@@ -35,6 +35,8 @@ LrScaling = Literal["auto", "linear", "sqrt", "none"]
 OptimizerName = Literal["adamw", "sgd", "adafactor", "task"]
 Schedule = Literal["cosine", "linear", "constant", "wsd", "step", "task"]
 ShardsOrder = Literal["chunks", "shuffle"]
+Strategy = Literal["ddp", "fsdp"]
+Checkpointing = Literal["none", "full", "selective"]
 
 
 NonNegative = Annotated[float, Rule(lambda v: v >= 0, "use >= 0")]
@@ -119,6 +121,8 @@ class TrainConfig:
     epochs: PositiveInt = 10  # passes over the training set
     max_steps: StepCap = None  # optional cap on optimizer steps (null: no cap)
     grad_accum_steps: PositiveInt = 1  # micro-batches per optimizer step; only the last all-reduces
+    strategy: Strategy = "ddp"  # ddp: a whole copy of the model on every device; fsdp: sharded over them (torch>=2.8)
+    activation_checkpointing: Checkpointing = "none"  # recompute units in backward: full (all), selective (every 2nd)
     precision: Precision = "bf16"  # bf16 | fp16 (with GradScaler) | fp32
     compile: bool = False  # torch.compile the model before wrapping it in DDP
     sync_batchnorm: bool = True  # SyncBatchNorm across ranks (CUDA only; needs world > 1)
@@ -148,6 +152,13 @@ class OptimConfig:
 
 
 @dataclass
+class FsdpConfig:
+    reshard_after_forward: bool = True  # free a unit's gathered weights after forward; false: faster, more memory
+    reduce_every_micro_batch: bool = True  # accumulation: sharded gradients between micro-batches; false: whole
+    cpu_offload: bool = False  # sharded state in CPU memory (GPU runs): slower, for what does not fit even sharded
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: PositiveInt = 500  # optimizer steps between checkpoints (one is also written at the end)
     keep_last: PositiveInt = 3  # checkpoints kept in out_dir/name/checkpoints/
@@ -172,6 +183,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 

@@ -269,16 +269,23 @@ def barrier() -> None:
 
 
 def without_ddp(model: nn.Module) -> nn.Module:
-    """The module DDP wraps (compiled, if it was): calling it runs no collective, so ranks may
-    evaluate different numbers of batches."""
+    """The module DDP wraps (compiled, if it was): calling it runs no collective. A sharded model
+    (train.strategy=fsdp) is itself: its forward gathers parameters, so every rank must call it
+    as often as the others (evaluation's padded sampler gives every rank the same batches)."""
     return model.module if isinstance(model, DDP) else model
 
 
 def bare(model: nn.Module) -> nn.Module:
     """The module under the DDP and torch.compile wrappers: its state_dict keys are the model's
-    own, without module. or _orig_mod. prefixes."""
+    own, without module. or _orig_mod. prefixes (a sharded model's are its own already)."""
     model = without_ddp(model)
     return getattr(model, "_orig_mod", model)
+
+
+def sharded(model: nn.Module) -> bool:
+    """Whether `model` is sharded over the ranks (train.strategy=fsdp): its parameters are DTensor
+    shards, and its whole state exists only gathered (checkpoint.full_state)."""
+    return hasattr(model, "set_requires_gradient_sync")  # what every fully_shard'ed module has
 
 
 def broadcast_buffers(module: torch.nn.Module) -> None:

@@ -21,6 +21,13 @@ and, optionally, an optimizer or schedule of your own (optim.name=task, train.sc
                                  (norms and biases already without weight decay; lr already scaled)
     build_scheduler(cfg, optimizer, total_steps) -> an LRScheduler, stepped once per optimizer step
 
+and, optionally, for a model sharded over the ranks (train.strategy=fsdp) or recomputed in backward
+(train.activation_checkpointing):
+
+    shard_units(model)        -> the modules to shard and recompute one by one (a transformer's blocks);
+                                 a module holding a tied weight stays out of them (the root keeps it);
+                                 None or no function: the largest ModuleList's children, else the model's
+
 and, optionally, for packed shards (the pack command, then data.shards; see shards.py):
 
     build_records(cfg)        -> (train, eval) sets of the raw records a pack stores (encoded images, ...);

@@ -1,4 +1,4 @@
-"""Train with DistributedDataParallel.
+"""Train with DistributedDataParallel, or with the model sharded over the ranks (train.strategy=fsdp).
 
     python -m {{ cookiecutter.package_name }}.train --config configs/default.yaml            # 1 process
     torchrun --standalone --nproc_per_node=8 -m {{ cookiecutter.package_name }}.train \\
@@ -18,7 +18,6 @@ import argparse
 import enum
 import os
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +26,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import checkpoint, config, cpus, dist, hardware, loaders, optim, preemption, records, task, tensorboard, tracking
+from . import (
+    checkpoint,
+    config,
+    cpus,
+    dist,
+    hardware,
+    loaders,
+    optim,
+    preemption,
+    records,
+    sharding,
+    task,
+    tensorboard,
+    tracking,
+)
 from .checkpoint import TrainState
 from .config import Config
 from .dist import DistInfo
@@ -60,8 +73,10 @@ def main(argv=None) -> int:
         cfg = config.load(args.config, args.overrides)
         check_hardware(cfg, info)
         optim.check(cfg)
+        sharding.check(cfg, info.device)
         tensorboard.check(cfg.run.tensorboard)
         tracking.check(cfg.run.trackers)
+    info = sharding.with_backend(cfg, info)
     trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
     code = dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: run(cfg, info, trackers))
     trackers.wait()  # out of the process group: no rank waits at a barrier for rank 0's trackers
@@ -115,7 +130,7 @@ def nothing_to_train(cfg: Config, step: int, total_steps: int) -> str:
 class Job:
     """What the loop trains and with what; `build` makes it, `fit` runs it."""
 
-    model: nn.Module  # the one handle: DDP(compiled(module)) when distributed; dist.bare() is the module
+    model: nn.Module  # the one handle: DDP(compiled(module)) or the sharded module; dist.bare() is the module
     state: TrainState  # optimizer, scheduler, scaler and the position in the run
     train_loader: DataLoader
     eval_loader: DataLoader
@@ -156,19 +171,30 @@ def build(cfg: Config, info: DistInfo) -> Job:
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
-    """SyncBN -> device -> compile -> DDP, in that order."""
+    """SyncBN -> device -> activation checkpointing -> compile -> DDP or FSDP, in that order."""
     if cfg.train.sync_batchnorm and info.device.type == "cuda" and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, or DDP syncs stale modules
     elif cfg.train.sync_batchnorm and has_batchnorm(model):
         why = "a world of one has nothing to sync" if not info.distributed else "SyncBatchNorm needs CUDA"
         dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
     model.to(info.device)
+    sharded = cfg.train.strategy == "fsdp" and info.distributed
+    units = sharding.units(model) if sharded or cfg.train.activation_checkpointing != "none" else []
+    left_out = sharding.checkpoint_activations(units, cfg.train.activation_checkpointing)
+    if left_out:
+        dist.print0(info, f"note: {len(left_out)} units hold BatchNorm and keep their activations (no recompute)")
     if cfg.train.compile:
         note = syncbn_compile_note(model, cfg.train.compile)
         if note:
             dist.print0(info, note)
-        model = torch.compile(model)
-    if info.distributed:
+        if sharded:  # per unit, as FSDP gathers them: the shards stay the compiled graphs' inputs
+            for unit in units:
+                unit.compile()
+        else:
+            model = torch.compile(model)
+    if sharded:
+        model = sharding.shard(model, units, cfg, info)
+    elif info.distributed:
         model = DDP(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
@@ -295,7 +321,7 @@ class Due:
 def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tuple[torch.Tensor, float]:
     """Forward and backward over one optimizer step's micro-batches; returns (summed loss, loss terms).
 
-    DDP averages gradients over ranks, so each rank scales its summed loss by world size /
+    DDP and FSDP average gradients over ranks, so each rank scales its summed loss by world size /
     the step's loss terms over every rank: the gradient becomes that of one process on the
     union of all the micro-batches, however the terms are spread over ranks.
     """
@@ -303,8 +329,8 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     loss_scale = info.world_size / step_terms(local_terms, micro_batches, info)
     total = torch.zeros((), device=info.device)
     for index, batch in enumerate(micro_batches):
-        syncs = index == len(micro_batches) - 1  # only the last micro-batch all-reduces
-        with nullcontext() if syncs or not info.distributed else job.model.no_sync():
+        syncs = index == len(micro_batches) - 1  # the last micro-batch always reduces
+        with sharding.micro_batch(job.model, syncs, cfg, info):
             with autocast(cfg, info):
                 loss_sum = task.loss_sum(job.model, task.to_device(batch, info.device))
             job.state.scaler.scale(loss_sum * loss_scale).backward()
@@ -408,8 +434,7 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, "
         f"loader workers per rank {job.train_loader.num_workers}\n"
-        f"parameters {params:,}; static memory per device "
-        f"~{static_memory_bytes(params, cfg.train.precision) / 2**20:.1f} MiB\n"
+        f"parameters {params:,}; {memory_line(cfg, info, job.model)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
     note = hardware.precision_note(cfg.train.precision, info.device)
@@ -438,10 +463,17 @@ def planned_steps(cfg: Config, total_steps: int) -> str:
     return f"{total_steps} steps"
 
 
-def static_memory_bytes(params: int, precision: str) -> int:
-    """Weights, gradients and AdamW's two moments in fp32 (4 + 4 + 8 bytes a parameter); AMP adds
-    low-precision weight copies, budgeted at 4 bytes. DDP replicates all of it on every device."""
-    return params * (4 + 4 + 8 + (4 if precision != "fp32" else 0))
+def memory_line(cfg: Config, info: DistInfo, model: nn.Module) -> str:
+    """The static memory per device (weights, gradients, optimizer state) under the run's strategy."""
+    bare = dist.bare(model)
+    units = sharding.units(bare) if cfg.train.strategy == "fsdp" else []
+    mib = sharding.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
+    if cfg.train.strategy == "ddp" or not info.distributed:
+        return f"strategy ddp: static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
+    return (
+        f"strategy fsdp on {info.world_size} ranks, {len(units)} units: static memory per device ~{mib:.1f} MiB "
+        f"(a 1/{info.world_size} share, and the largest unit gathered)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
     python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # versions, GPUs, ports, CPUs, /dev/shm
     python -m {{ cookiecutter.package_name }}.tools.diagnose unused    # parameters that get no gradient
     python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup and time split, 1 vs N processes
+    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does the model fit a device: ddp vs fsdp
 Each takes --config and section.key=value overrides like training does.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import platform
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .. import config, cpus, hardware, loaders, processes, records, task
+from .. import config, cpus, hardware, loaders, processes, records, sharding, task
 from ..config import Config
 from ..dist import DistInfo
 from ..hardware import Gpu
@@ -241,9 +243,28 @@ def scaling_report(results: dict, nproc: int) -> str:
     )
 
 
+def device_gb() -> float:
+    """This machine's first GPU's memory in GB, else an 80 GB card's."""
+    return torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available() else 80.0
+
+
+def memory_report(cfg: Config, model: torch.nn.Module, ranks: int, gpu_gb: float) -> str:
+    """Weights, gradients and optimizer state per device under each strategy on `ranks` devices,
+    and whether that fits a `gpu_gb` device (activations come on top: see the start-up line)."""
+    units = sharding.units(model)
+    params = sum(p.numel() for p in model.parameters())
+    lines = [f"{params:,} parameters, {len(units)} FSDP units; per device, before activations:"]
+    for strategy in ("ddp", "fsdp"):
+        setting = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy=strategy))
+        needed = sharding.static_memory_bytes(model, units, setting, ranks)
+        fits = "yes" if needed <= gpu_gb * 1e9 else "no"
+        lines.append(f"  {strategy} on {ranks}: {needed / 1e9:.2f} GB; fits in {gpu_gb:g} GB: {fits}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["doctor", "unused", "scaling"])
+    parser.add_argument("command", choices=["doctor", "unused", "scaling", "memory"])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--nproc", type=int, default=None, help="processes per node (default: GPUs, else 2)")
     ports = f"ports to check (default 29500 and {launch.DEFAULT_MASTER_PORT})"
@@ -251,6 +272,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="module:function building the model (default: build_model)")
     parser.add_argument("--steps", type=int, default=60, help="steps per scaling run")
     parser.add_argument("--out", default=None, help="scaling: keep the two runs here (for `report`)")
+    parser.add_argument("--gpu-gb", type=float, default=None, help="memory: GB a device (default: this GPU, else 80)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     with exit_on_user_error():
@@ -259,6 +281,10 @@ def main(argv=None) -> int:
         rows = doctor(cfg, args.nproc, args.port or [29500, launch.DEFAULT_MASTER_PORT])
         print(checks.table("doctor", rows))
         return checks.exit_code(rows)
+    if args.command == "memory":
+        ranks = args.nproc or cfg.dist.gpus_per_node * cfg.dist.num_nodes
+        print(memory_report(cfg, load_model_factory(args.model)(cfg), ranks, args.gpu_gb or device_gb()))
+        return 0
     if args.command == "unused":
         names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
         if not names:

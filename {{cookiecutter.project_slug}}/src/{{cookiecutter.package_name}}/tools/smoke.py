@@ -22,7 +22,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import checkpoint, config, dist, hardware, preemption, records, task, train
+from .. import checkpoint, config, dist, hardware, preemption, records, sharding, task, train
 from ..dist import DistInfo
 from ..rules import exit_on_user_error
 from . import checks
@@ -30,10 +30,12 @@ from .checks import FAIL, INFO, PASS, SKIP
 
 
 def digest(tensors) -> str:
-    """Exact fingerprint of tensors (bitwise, not approximate)."""
+    """Exact fingerprint of tensors (bitwise, not approximate); a sharded tensor's is that of the
+    whole, which every rank gathers (so every rank must call this)."""
     hasher = hashlib.sha256()
     for tensor in tensors:
         if tensor is not None:
+            tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             hasher.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()[:16]
 
@@ -81,7 +83,7 @@ def check_devices(info: DistInfo) -> tuple[str, str]:
 
 
 def check_backend(info: DistInfo) -> tuple[str, str]:
-    expected = "nccl" if info.device.type == "cuda" else "gloo"
+    expected = info.backend if "," in info.backend else "nccl" if info.device.type == "cuda" else "gloo"
     if not info.distributed:
         return SKIP, "a world of one has no process group; launch with torchrun"
     actual = torch.distributed.get_backend()
@@ -95,6 +97,8 @@ def check_gradients_reduced(job: train.Job, cfg, info: DistInfo) -> tuple[str, s
         return SKIP, "a world of one has nothing to all-reduce"
     batch = task.to_device(next(iter(job.train_loader)), info.device)
     model = job.model
+    if dist.sharded(model):
+        return check_gradients_reduce_scattered(model, batch, cfg, info)
     with model.no_sync():
         task.loss_sum(model, batch).backward()
     local = dist.all_gather_objects(gradient_digest(model))
@@ -107,6 +111,23 @@ def check_gradients_reduced(job: train.Job, cfg, info: DistInfo) -> tuple[str, s
     if len(set(reduced)) != 1:
         return FAIL, "gradients differ across ranks after backward: they were not all-reduced"
     return PASS, f"each rank's own batch gave identical gradients on {info.world_size} ranks"
+
+
+def check_gradients_reduce_scattered(model, batch, cfg, info: DistInfo) -> tuple[str, str]:
+    """Under FSDP each rank keeps its shard of the averaged gradient: the ranks' losses on their
+    own batches differ, and every parameter gets a finite gradient shard on every rank."""
+    with train.autocast(cfg, info):  # parameters gathered in bf16 meet BatchNorm's fp32 outputs
+        loss = task.loss_sum(model, batch)
+    loss.backward()
+    losses = dist.all_gather_objects(loss.item())
+    shards = [p.grad for p in model.parameters()]
+    complete = dist.all_gather_objects(all(g is not None and bool(g.to_local().isfinite().all()) for g in shards))
+    model.zero_grad(set_to_none=True)
+    if len(set(losses)) == 1:
+        return FAIL, "the ranks' losses were equal: the ranks did not get different data"
+    if not all(complete):
+        return FAIL, "a rank holds no gradient shard for some parameter, or a non-finite one"
+    return PASS, f"each rank's own batch reduce-scattered into gradient shards on {info.world_size} ranks"
 
 
 def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
@@ -171,6 +192,8 @@ def _loss_trend(logged: list[dict]) -> tuple[str, str]:
 
 
 def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[str, str]:
+    if dist.sharded(job.model):
+        return SKIP, "train.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
     if not isinstance(job.model, DDP):
         return SKIP, "a world of one has no gradient communication"
     expected = job.state.step + 1  # the gradient check made one all-reducing backward
@@ -225,6 +248,8 @@ def main(argv=None) -> int:
     with exit_on_user_error():
         cfg = config.load(args.config, [*SMOKE_RUN, *args.overrides])
         train.check_hardware(cfg, info)
+        sharding.check(cfg, info.device)
+    info = sharding.with_backend(cfg, info)
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "loss_sum",
     "metrics",
     "pack_facts",
+    "shard_units",
     "throughput",
     "to_device",
 ]
@@ -77,3 +78,11 @@ def metrics(totals: dict[str, float]) -> dict[str, float]:
 
 def throughput(cfg: Config, model: nn.Module) -> Throughput:
     return Throughput("images", 1, training_flops_per_image(cfg, len(class_names(cfg))))
+
+
+def shard_units(model: nn.Module) -> list[nn.Module] | None:
+    """train.strategy=fsdp (and activation checkpointing): a ResNet's four stages are the units;
+    for another architecture None, the loop's default (the largest ModuleList's children, else
+    the model's children)."""
+    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
+    return stages if all(stage is not None for stage in stages) else None

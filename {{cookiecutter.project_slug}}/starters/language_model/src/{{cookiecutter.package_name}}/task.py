@@ -37,6 +37,7 @@ __all__ = [
     "loss_sum",
     "metrics",
     "pack_facts",
+    "shard_units",
     "throughput",
     "to_device",
 ]
@@ -75,3 +76,10 @@ def metrics(totals: dict[str, float]) -> dict[str, float]:
 
 def throughput(cfg: Config, model: nn.Module) -> Throughput:
     return Throughput("tokens", cfg.model.context, training_flops_per_token(model))
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """train.strategy=fsdp (and activation checkpointing): each transformer block is a unit; the
+    embeddings, the final norm and the head, which shares the token embedding's weight, stay
+    together in the root's group."""
+    return list(model.blocks)

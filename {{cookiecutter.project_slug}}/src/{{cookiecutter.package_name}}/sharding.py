@@ -1,0 +1,177 @@
+"""train.strategy=fsdp and activation checkpointing: the model split into units, each unit's
+activations recomputed in backward when asked, then each unit sharded over the ranks (FSDP2's
+fully_shard), the root last: torchtitan's order, checkpointing -> compile -> shard.
+
+Under FSDP every rank holds 1/N of the parameters, gradients and optimizer state; a unit's
+parameters are gathered for its forward and backward and freed after them. The units come from
+the seam (task.shard_units(model), optional) or from `default_units`. A parameter shared by two
+modules (tied weights) must sit in one unit or in the root's group, which holds every parameter
+no unit took. BatchNorm layers get a group of their own in fp32 (their statistics would not
+survive bf16), and their buffers are not synchronised by FSDP: the loop broadcasts rank 0's before
+evaluating and saving, which is what DDP's broadcast at each forward leaves (see train.evaluate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import dist, task
+from .rules import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .dist import DistInfo
+
+FSDP_FLOOR = (2, 8)  # gloo refuses FSDP's averaging reduce-scatter (ReduceOp.AVG) before 2.8
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def floor_problem(version: str = torch.__version__) -> str | None:
+    """Why torch `version` cannot shard a model here, or None."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) >= FSDP_FLOOR:
+        return None
+    floor = ".".join(map(str, FSDP_FLOOR))
+    return (
+        f"train.strategy: fsdp needs torch>={floor} (this is {version}): pip install 'torch>={floor}', "
+        "or use train.strategy=ddp"
+    )
+
+
+def check(cfg: Config, device: torch.device) -> None:
+    """Before any collective, on every rank: the strategy's settings can run here."""
+    if cfg.train.strategy == "fsdp" and floor_problem():
+        raise ConfigError(floor_problem())
+    if cfg.train.strategy == "fsdp" and cfg.fsdp.cpu_offload and device.type != "cuda":
+        raise ConfigError("fsdp.cpu_offload: moves GPU state to CPU memory, and this run has no GPU: set it to false")
+
+
+def with_backend(cfg: Config, info: DistInfo) -> DistInfo:
+    """`info` with the process group's backend for this strategy: fsdp.cpu_offload keeps the
+    sharded state in CPU memory, so the group needs gloo for CPU tensors beside nccl (clipping's
+    norm, the optimizer's step)."""
+    if cfg.train.strategy == "fsdp" and cfg.fsdp.cpu_offload and info.backend == "nccl":
+        return dataclasses.replace(info, backend="cpu:gloo,cuda:nccl")
+    return info
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded (and checkpointed) one by one: task.shard_units(model) when the seam
+    names them, else (no such function, or it returns None) default_units(model). A unit sharing
+    a parameter with anything outside it is a ConfigError naming the parameter."""
+    named = task.shard_units(model) if hasattr(task, "shard_units") else None
+    chosen = list(named) if named is not None else default_units(model)
+    problem = split_parameter(model, chosen)
+    if problem:
+        raise ConfigError(problem)
+    return chosen
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The children of the largest ModuleList (a transformer's blocks), else the model's children
+    that hold parameters (an nn.Sequential's layers); the rest stays in the root's group. A child
+    sharing a parameter with the rest (tied weights) stays there too."""
+
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    parent = max(lists, key=size) if lists else model
+    candidates = [child for child in parent.children() if size(child) > 0]
+    return [child for child in candidates if split_parameter(model, [child]) is None]
+
+
+def split_parameter(model: nn.Module, chosen: list[nn.Module]) -> str | None:
+    """Why `chosen` cannot be sharded as units, or None: a unit nested in another, or a parameter
+    of a unit that a module outside it also holds (tied weights)."""
+    for index, unit in enumerate(chosen):
+        members = {id(module) for module in unit.modules()}
+        if any(id(other) in members or unit in list(other.modules()) for other in chosen[index + 1 :]):
+            return "task.shard_units: a unit is nested in another; name disjoint modules (e.g. a model's blocks)"
+        inside = {id(p) for p in unit.parameters()}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            owner = model.get_submodule(name.rpartition(".")[0])
+            if id(param) in inside and id(owner) not in members:
+                return (
+                    f"sharding units: {name} is also a parameter inside a unit (tied weights); put every module "
+                    "that holds it in one unit, or leave them all to the root (task.shard_units)"
+                )
+    return None
+
+
+def checkpoint_activations(chosen: list[nn.Module], mode: str) -> list[nn.Module]:
+    """Recompute the activations of the units in backward instead of keeping them: every unit
+    (full), every second one (selective), or none. Units holding BatchNorm are left out: a
+    recomputed forward would update its running statistics twice. Returns the units left out."""
+    if mode == "none":
+        return []
+    skipped = []
+    for index, unit in enumerate(chosen):
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules()):
+            skipped.append(unit)
+        elif mode == "full" or index % 2 == 0:
+            # the instance's forward: nn.Module.__call__ (and FSDP's hooks around it) stay as they are,
+            # and state_dict names do not change as they would under a wrapper module
+            unit.forward = partial(checkpoint, unit.forward, use_reentrant=False)
+    return skipped
+
+
+def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
+    """fully_shard each BatchNorm layer (in fp32), each unit, then the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    low = LOW_PRECISION.get(cfg.train.precision)
+    # gathered in low precision, gradients reduced in fp32; autocast still decides each op's precision
+    mixed = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+    options = {
+        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy(),
+    }
+    # every BatchNorm a group of its own in fp32, in a unit or not: its buffers stay fp32, and
+    # its kernel wants weights of their type
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] if low else []
+    for norm in norms:
+        fully_shard(norm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **options)
+    for unit in chosen:
+        if unit not in norms:
+            fully_shard(unit, mp_policy=mixed, **options)
+    fully_shard(model, mp_policy=mixed, **options)
+    return model
+
+
+def micro_batch(model: nn.Module, syncs: bool, cfg: Config, info: DistInfo):
+    """The context of one micro-batch's backward: only the last one of an optimizer step reduces
+    gradients under DDP (no_sync before it), and under FSDP with fsdp.reduce_every_micro_batch off
+    (full gradients kept between micro-batches); with it on (the default) every micro-batch
+    reduce-scatters, and gradients stay sharded between them."""
+    if dist.sharded(model):
+        model.set_requires_gradient_sync(syncs or cfg.fsdp.reduce_every_micro_batch)
+        return nullcontext()
+    return nullcontext() if syncs or not info.distributed else model.no_sync()
+
+
+def static_memory_bytes(model: nn.Module, chosen: list[nn.Module], cfg: Config, world_size: int) -> int:
+    """Bytes per device for weights, gradients and optimizer state (state_bytes), before
+    activations; under FSDP also the gathered parameters: the largest unit's twice (the next is
+    gathered ahead), or every unit's without fsdp.reshard_after_forward, in the precision they are
+    gathered in. AMP under DDP keeps low-precision weight copies, budgeted at 4 bytes a parameter."""
+    params = sum(p.numel() for p in model.parameters())
+    low = cfg.train.precision in LOW_PRECISION
+    if cfg.train.strategy == "ddp" or world_size == 1:
+        return state_bytes(params, 1) + (4 * params if low else 0)
+    sizes = [sum(p.numel() for p in unit.parameters()) for unit in chosen] or [params]
+    held = 2 * max(sizes) if cfg.fsdp.reshard_after_forward else sum(sizes)
+    return state_bytes(params, world_size) + held * (2 if low else 4)
+
+
+def state_bytes(params: int, shards: int) -> int:
+    """Weights, gradients and AdamW's two moments in fp32 (4 + 4 + 8 bytes a parameter), split
+    over `shards` ranks: DDP holds all of it on every device (1), FSDP a 1/N share."""
+    return 16 * params // shards

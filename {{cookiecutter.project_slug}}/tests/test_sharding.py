@@ -1,0 +1,228 @@
+"""train.strategy=fsdp and activation checkpointing: the units, the rules that keep FSDP correct,
+the memory estimate, and checkpoints that resume under either strategy on any world size.
+The sharded loop's maths is proven in tests/dist_proofs.py (test_distributed.py)."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_args
+from test_faults import assert_bit_identical, faulty_run, final_state
+from test_launchers import smoke_rows
+from torch import nn
+
+from {{ cookiecutter.package_name }} import checkpoint, config, records, sharding, task
+from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.tools import diagnose
+
+PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
+needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
+
+
+class TiedLanguageModel(nn.Module):
+    """Blocks in a ModuleList, and an embedding whose weight the head shares."""
+
+    def __init__(self, width: int = 8, vocabulary: int = 11, layers: int = 3):
+        super().__init__()
+        self.tokens = nn.Embedding(vocabulary, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers))
+        self.head = nn.Linear(width, vocabulary, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, tokens):
+        hidden = self.tokens(tokens)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        return self.head(hidden)
+
+
+def smoke_config(*overrides: str):
+    return config.load(SMOKE_CONFIG, list(overrides))
+
+
+def test_the_default_units_are_the_blocks_of_the_largest_module_list():
+    model = TiedLanguageModel(width=16)
+    assert sharding.default_units(model) == list(model.blocks)  # the embedding and the head: the root's
+
+
+def test_a_child_that_shares_a_weight_with_another_stays_in_the_root():
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11, bias=False))
+    model[2].weight = model[0].weight
+    assert sharding.default_units(model) == [model[1]]
+
+
+def test_without_a_module_list_the_units_are_the_children_that_hold_parameters():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    assert sharding.default_units(model) == [model[0], model[1], model[3]]
+
+
+def test_units_that_split_tied_weights_or_nest_are_refused_with_the_fix():
+    model = TiedLanguageModel()
+    problem = sharding.split_parameter(model, [model.head])
+    assert "head.weight" in problem or "tokens.weight" in problem
+    assert "tied weights" in problem and "one unit" in problem
+    assert sharding.split_parameter(model, [model.tokens, model.head]) is not None  # two units, one tensor
+    assert sharding.split_parameter(model, [model.blocks[0], model.blocks[0][0]]).endswith("(e.g. a model's blocks)")
+    assert sharding.split_parameter(model, list(model.blocks)) is None
+
+
+def test_a_seam_naming_units_that_split_tied_weights_is_a_config_error(monkeypatch):
+    model = TiedLanguageModel()
+    monkeypatch.setattr(task, "shard_units", lambda m: [m.head, *m.blocks], raising=False)  # the user's seam
+    with pytest.raises(ConfigError, match="tied weights"):
+        sharding.units(model)
+
+
+def test_activation_checkpointing_recomputes_the_units_asked_for_and_gives_the_same_gradients():
+    torch.manual_seed(0)
+    plain = TiedLanguageModel()
+    tokens = torch.randint(0, 11, (4, 5))
+    for mode, recomputed in (("full", 3), ("selective", 2), ("none", 0)):
+        model = TiedLanguageModel()
+        model.load_state_dict(plain.state_dict())
+        units = sharding.default_units(model)
+        assert sharding.checkpoint_activations(units, mode) == []
+        assert sum(getattr(unit.forward, "func", None) is sharding.checkpoint for unit in units) == recomputed
+        model(tokens).sum().backward()
+        plain.zero_grad()
+        plain(tokens).sum().backward()
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        assert model.state_dict().keys() == plain.state_dict().keys()  # no wrapper in the names
+
+
+def test_activation_checkpointing_leaves_batchnorm_units_alone():
+    # a recomputed forward would update the running statistics a second time
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    units = sharding.default_units(model)
+    assert sharding.checkpoint_activations(units, "full") == [model[1]]
+    model(torch.randn(6, 4)).sum().backward()
+    assert model[1].num_batches_tracked.item() == 1
+
+
+def test_the_memory_estimate_shares_the_state_over_the_ranks_and_adds_the_gathered_units():
+    model = TiedLanguageModel(width=16, vocabulary=50)
+    units = sharding.default_units(model)
+    params = sum(p.numel() for p in model.parameters())
+    largest = sum(p.numel() for p in model.blocks[0].parameters())
+    ddp = smoke_config("train.precision=fp32")
+    assert sharding.static_memory_bytes(model, units, ddp, 8) == 16 * params
+    fsdp = smoke_config("train.strategy=fsdp", "train.precision=bf16")
+    assert sharding.static_memory_bytes(model, units, fsdp, 8) == 16 * params // 8 + 2 * largest * 2
+    kept = smoke_config("train.strategy=fsdp", "train.precision=fp32", "fsdp.reshard_after_forward=false")
+    assert sharding.static_memory_bytes(model, units, kept, 8) == 16 * params // 8 + 3 * largest * 4
+
+
+def test_fsdp_below_its_torch_floor_is_one_line_naming_the_version():
+    problem = sharding.floor_problem("2.7.1+cu126")
+    assert "train.strategy: fsdp needs torch>=2.8 (this is 2.7.1+cu126)" in problem and "train.strategy=ddp" in problem
+    assert sharding.floor_problem("2.8.0") is None and sharding.floor_problem("2.14.1") is None
+
+
+@pytest.mark.skipif(not sharding.floor_problem(), reason=f"torch {torch.__version__} shards; the floor run checks this")
+def test_fsdp_on_this_torch_exits_2_with_one_line_before_anything_starts(tmp_path):
+    result = torchrun(*train_args(tmp_path, "train.strategy=fsdp"), timeout=120, check=False)
+    assert result.returncode != 0 and not (tmp_path / "smoke").exists()
+    lines = [line for line in result.stderr.splitlines() if line.startswith("config error")]
+    assert lines and all("fsdp needs torch>=2.8" in line for line in lines)
+
+
+def resume_proof(out, checkpoint_path, nproc: int, *overrides: str) -> dict:
+    if nproc == 1:
+        run([sys.executable, PROOFS, str(out), "--resume", str(checkpoint_path), *overrides], timeout=120)
+    else:
+        torchrun(PROOFS, str(out), "--resume", str(checkpoint_path), *overrides, nproc=nproc, timeout=180)
+    return json.loads((out / "resume.json").read_text())
+
+
+@needs_fsdp
+@pytest.mark.slow
+def test_a_ddp_checkpoint_loads_exactly_under_fsdp_and_back_on_other_world_sizes(tmp_path):
+    steps = ("train.max_steps=6", "checkpoint.every_steps=3", "train.precision=fp32")
+    torchrun(*train_args(tmp_path / "ddp", *steps), timeout=180)
+    written = final_state(tmp_path / "ddp" / "smoke", 6)
+    assert all(isinstance(name, str) for name in written["optimizer"]["state"])  # names, not positions
+    proof = resume_proof(tmp_path / "fsdp3", tmp_path / "ddp" / "smoke", 3, "train.strategy=fsdp")
+    assert proof["differ"] == [] and proof["names"] > 0 and proof["world_size"] == 3
+    torchrun(*train_args(tmp_path / "fsdp", *steps, "train.strategy=fsdp"), timeout=180)
+    for nproc in (1, 2):
+        proof = resume_proof(tmp_path / f"ddp{nproc}", tmp_path / "fsdp" / "smoke", nproc)
+        assert proof["differ"] == [] and proof["strategy"] == "ddp"
+
+
+@needs_fsdp
+@pytest.mark.slow
+def test_a_run_crashed_mid_epoch_under_fsdp_resumes_bit_identical(tmp_path):
+    cfg = smoke_config()
+    steps = len(task.build_datasets(cfg)[0]) // 2 // cfg.data.batch_size // cfg.train.grad_accum_steps + 5
+    overrides = ("checkpoint.every_steps=10", "checkpoint.keep_last=20", f"train.max_steps={steps}")
+    sharded = (*overrides, "train.strategy=fsdp", "train.activation_checkpointing=selective")
+    torchrun(*train_args(tmp_path / "straight", *sharded), timeout=240)
+    straight = final_state(tmp_path / "straight" / "smoke", steps)
+    crashed = faulty_run(tmp_path, *sharded, FAULT="crash", FAULT_RANK="1", FAULT_STEP="15")
+    assert crashed.returncode != 0 and "injected crash in step 15" in crashed.stderr
+    resumed = torchrun(*train_args(tmp_path, *sharded), timeout=240)
+    assert "step_00000010.pt at step 10" in resumed.stdout and "strategy fsdp on 2 ranks" in resumed.stdout
+    result = final_state(tmp_path / "smoke", steps)
+    for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
+        assert_bit_identical(result[part], straight[part], part)
+
+
+def trained_step(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randint(0, 11, (2, 3))).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_a_checkpoint_holds_the_optimizer_state_by_name_and_one_by_position_still_loads():
+    torch.manual_seed(0)
+    model = TiedLanguageModel()
+    optimizer = trained_step(model)
+    weights, by_name = checkpoint.full_state(model, optimizer)
+    assert sorted(by_name["state"]) == sorted(name for name, _ in model.named_parameters())
+    for saved in (by_name, optimizer.state_dict()):  # the latter: checkpoints written before names
+        fresh = TiedLanguageModel()
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+        checkpoint.load_full_state(fresh, fresh_optimizer, {"model": weights, "optimizer": saved})
+        assert_bit_identical(fresh.state_dict(), model.state_dict(), "model")
+        assert_bit_identical(fresh_optimizer.state_dict()["state"], optimizer.state_dict()["state"], "optimizer")
+
+
+@needs_fsdp
+@pytest.mark.task
+def test_the_smoke_check_passes_under_fsdp_on_the_tasks_own_model(tmp_path):
+    command = ["bash", "scripts/smoke.sh", "train.strategy=fsdp", f"run.out_dir={tmp_path}"]
+    result = run(command, env=project_env(CUDA_VISIBLE_DEVICES=""), timeout=300)
+    assert "smoke: PASS (0 failed" in result.stdout, result.stdout[-3000:]
+    rows = smoke_rows(result.stdout)
+    for check in ("gradients all-reduced", "parameters equal on all ranks", "checkpoint round trip", "loss decreases"):
+        assert rows[check][0] == "PASS", (check, rows[check])
+    assert "reduce-scattered" in rows["gradients all-reduced"][1]
+
+
+@needs_fsdp
+@pytest.mark.task
+def test_the_same_run_under_fsdp_reaches_ddps_evaluation(tmp_path):
+    # fp32 and no recompute: the two differ only in the order gradients are summed
+    exact = ("train.precision=fp32", "train.max_steps=30", "train.eval_every=30")
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        torchrun(*train_args(tmp_path / strategy, *exact, f"train.strategy={strategy}"), timeout=300)
+        evaluations = records.of_kind(read_metrics(tmp_path / strategy / "smoke"), records.EVAL)
+        results[strategy] = records.eval_metrics(evaluations[-1])
+    assert results["fsdp"].keys() == results["ddp"].keys()
+    for name, value in results["ddp"].items():
+        assert abs(results["fsdp"][name] - value) < 1e-3, (name, results)
+
+
+def test_diagnose_memory_says_whether_the_model_fits_a_device_under_each_strategy():
+    cfg = smoke_config("train.precision=fp32")
+    model = TiedLanguageModel(width=64, vocabulary=1000)  # 16 bytes a parameter under ddp
+    params = sum(p.numel() for p in model.parameters())
+    between = (16 * params / 8 + 16 * params) / 2 / 1e9  # a device too small for ddp, big enough for fsdp on 8
+    report = diagnose.memory_report(cfg, model, 8, between)
+    assert f"{params:,} parameters, 3 FSDP units" in report
+    assert f"ddp on 8: {16 * params / 1e9:.2f} GB; fits in {between:g} GB: no" in report
+    assert "fsdp on 8: " in report and report.endswith("fits in " + f"{between:g} GB: yes")
