@@ -322,9 +322,11 @@ MUTANTS = [
         "FSDP clips the whole gradient's norm",
         TRAIN,
         "        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)",
-        "        nn.utils.clip_grad_norm_(\n"
-        "            [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()],\n"
-        "            cfg.train.grad_clip,\n        )",
+        # clip_grad_norm_'s own formula, over each rank's shard instead of the whole gradient
+        "        grads = [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()]\n"
+        "        total = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
+        "        for g in grads:\n"
+        "            g.mul_((cfg.train.grad_clip / (total + 1e-6)).clamp(max=1.0))",
     ),
     Mutant(
         "fsdp no gradient sync on the last micro-batch",

@@ -168,7 +168,7 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
         *[f"  note: {note}" for note in notes],
         "Next:",
         f"  cd {answers['project_slug']} && python -m pip install -e '.[dev]'",
-        "  scripts/smoke.sh      # checks DDP on this machine's GPUs (2 CPU processes without GPUs)",
+        "  scripts/smoke.sh      # checks the wiring on this machine's GPUs (2 CPU processes without GPUs)",
         "  scripts/train.sh      # trains on every local GPU",
     ]
     if answers["tracker"] != "tensorboard":

@@ -118,6 +118,11 @@ def validate(answers: dict) -> tuple[list[str], list[str]]:
         *(check_one_line(answers, key) for key in ("project_name", "description", "author")),
         check_kubernetes_slug(answers),
     ]
+    if answers.get("strategy") == "fsdp" and answers["precision"] == "fp16":
+        errors.append(
+            "precision fp16 with strategy fsdp: GradScaler would see one rank's shard only; "
+            "type precision=bf16 (or fp32), or strategy=ddp"
+        )
     errors = [e for e in errors if e]
     warnings = []
     if not errors and answers["sync_batchnorm"] and answers["task"] != "language_model":  # LM: no BatchNorm

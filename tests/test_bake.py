@@ -136,11 +136,13 @@ SUPPORTED = [
     {"project_name": "x", "project_slug": "my_trainer", "package_name": "mytrainer", "kubernetes": True},
     {"project_name": "A Very Long Project Name For Testing", "package_name": "a" * 32},
     {"task": "language_model"},
+    {"task": "language_model", "strategy": "fsdp", "grad_accum_steps": "2"},
     {"task": "language_model", "precision": "fp32", "gpus_per_node": "1", "slurm": False, "compile": True},
     {"task": "language_model", "precision": "fp16", "grad_accum_steps": "8", "license": "none", "kubernetes": True},
     {"task": "image_classification"},
     {"task": "image_classification", "precision": "fp16", "grad_accum_steps": "2", "compile": True, "slurm": False},
     {"task": "image_classification", "precision": "fp32", "gpus_per_node": "1", "license": "BSD-3-Clause"},
+    {"strategy": "fsdp", "precision": "fp32", "compile": True},
 ]
 
 
@@ -175,6 +177,9 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     assert config["train"]["precision"] == answers.get("precision", "bf16")
     assert config["train"]["compile"] is answers.get("compile", False)
     assert config["train"]["grad_accum_steps"] == int(answers.get("grad_accum_steps", "1"))
+    assert config["train"]["strategy"] == answers.get("strategy", "ddp")
+    floor = "torch>=2.8" if answers.get("strategy") == "fsdp" else "torch>=2.4"
+    assert f'"{floor}"' in (project / "pyproject.toml").read_text()
     assert config["data"]["batch_size"] == int(answers.get("per_device_batch_size", "32"))
     total_gpus = int(answers.get("gpus_per_node", "8")) * int(answers.get("num_nodes", "1"))
     batch_norm = answers.get("task", "classifier") != "language_model"  # the language model has none

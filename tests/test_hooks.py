@@ -76,6 +76,13 @@ def test_counts_are_checked(key, value, message):
     assert len(errors) == 1 and message in errors[0]
 
 
+def test_fsdp_with_fp16_is_refused_at_bake_time_and_fsdp_writes_its_strategy_and_torch_floor():
+    errors, _ = pre.validate(answers(strategy="fsdp", precision="fp16"))
+    assert len(errors) == 1 and "type precision=bf16 (or fp32), or strategy=ddp" in errors[0]
+    assert pre.validate(answers(strategy="fsdp"))[0] == []
+    assert post.resolve(answers(strategy="fsdp"))[0]["train.strategy"] == "fsdp"
+
+
 def test_unwise_sync_batchnorm_warns():
     _, warnings = pre.validate(answers(gpus_per_node="1", per_device_batch_size="4"))
     assert any("1 GPU in total" in w for w in warnings) and any("below 8" in w for w in warnings)

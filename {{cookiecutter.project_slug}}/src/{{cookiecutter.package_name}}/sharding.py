@@ -49,6 +49,12 @@ def check(cfg: Config, device: torch.device) -> None:
     """Before any collective, on every rank: the strategy's settings can run here."""
     if cfg.train.strategy == "fsdp" and floor_problem():
         raise ConfigError(floor_problem())
+    if cfg.train.strategy == "fsdp" and cfg.train.precision == "fp16":
+        # GradScaler finds an overflow in this rank's shard only: ranks would skip different steps
+        raise ConfigError(
+            "train.precision: fp16 under train.strategy=fsdp would let each rank skip its own overflowing "
+            "steps (GradScaler sees only its shard): use bf16 (or fp32), or train.strategy=ddp"
+        )
     if cfg.train.strategy == "fsdp" and cfg.fsdp.cpu_offload and device.type != "cuda":
         raise ConfigError("fsdp.cpu_offload: moves GPU state to CPU memory, and this run has no GPU: set it to false")
 
@@ -89,19 +95,27 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 
 def split_parameter(model: nn.Module, chosen: list[nn.Module]) -> str | None:
-    """Why `chosen` cannot be sharded as units, or None: a unit nested in another, or a parameter
-    of a unit that a module outside it also holds (tied weights)."""
+    """Why `chosen` cannot be sharded as units, or None: a unit that is not a module of the model,
+    named twice or nested in another, or a parameter of a unit that a module outside it also
+    holds (tied weights)."""
+    names = {id(module): name or "the model itself" for name, module in model.named_modules()}
     for index, unit in enumerate(chosen):
+        if id(unit) not in names:
+            return "task.shard_units: a unit is not a module of the model; name modules of the model it is given"
         members = {id(module) for module in unit.modules()}
-        if any(id(other) in members or unit in list(other.modules()) for other in chosen[index + 1 :]):
-            return "task.shard_units: a unit is nested in another; name disjoint modules (e.g. a model's blocks)"
-        inside = {id(p) for p in unit.parameters()}
+        for other in chosen[index + 1 :]:
+            if other is unit or id(other) in members or unit in list(other.modules()):
+                return (
+                    f"task.shard_units: {names[id(other)]} and {names[id(unit)]} overlap (one holds or is the other); "
+                    "name disjoint modules, e.g. a model's blocks"
+                )
+        inside = {id(p): f"{names[id(unit)]}.{name}" for name, p in unit.named_parameters(remove_duplicate=False)}
         for name, param in model.named_parameters(remove_duplicate=False):
             owner = model.get_submodule(name.rpartition(".")[0])
             if id(param) in inside and id(owner) not in members:
                 return (
-                    f"sharding units: {name} is also a parameter inside a unit (tied weights); put every module "
-                    "that holds it in one unit, or leave them all to the root (task.shard_units)"
+                    f"sharding units: {inside[id(param)]} in unit {names[id(unit)]} is tied to {name} outside it; "
+                    "put every module that holds it in one unit, or leave them all to the root (task.shard_units)"
                 )
     return None
 
@@ -161,14 +175,25 @@ def static_memory_bytes(model: nn.Module, chosen: list[nn.Module], cfg: Config, 
     """Bytes per device for weights, gradients and optimizer state (state_bytes), before
     activations; under FSDP also the gathered parameters: the largest unit's twice (the next is
     gathered ahead), or every unit's without fsdp.reshard_after_forward, in the precision they are
-    gathered in. AMP under DDP keeps low-precision weight copies, budgeted at 4 bytes a parameter."""
+    gathered in, and whole fp32 gradients between micro-batches without
+    fsdp.reduce_every_micro_batch. AMP under DDP keeps low-precision weight copies, budgeted at 4
+    bytes a parameter."""
     params = sum(p.numel() for p in model.parameters())
     low = cfg.train.precision in LOW_PRECISION
     if cfg.train.strategy == "ddp" or world_size == 1:
         return state_bytes(params, 1) + (4 * params if low else 0)
     sizes = [sum(p.numel() for p in unit.parameters()) for unit in chosen] or [params]
     held = 2 * max(sizes) if cfg.fsdp.reshard_after_forward else sum(sizes)
-    return state_bytes(params, world_size) + held * (2 if low else 4)
+    whole_gradients = cfg.train.grad_accum_steps > 1 and not cfg.fsdp.reduce_every_micro_batch
+    return state_bytes(params, world_size) + held * (2 if low else 4) + (4 * params if whole_gradients else 0)
+
+
+def gathered(cfg: Config) -> str:
+    """What the FSDP estimate adds to the 1/N share, in words."""
+    extra = "the largest unit gathered" if cfg.fsdp.reshard_after_forward else "every unit gathered"
+    if cfg.train.grad_accum_steps > 1 and not cfg.fsdp.reduce_every_micro_batch:
+        extra += ", whole gradients between micro-batches"
+    return extra
 
 
 def state_bytes(params: int, shards: int) -> int:

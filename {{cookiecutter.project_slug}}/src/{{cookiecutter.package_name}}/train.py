@@ -432,8 +432,8 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"{lr_line(cfg, lr, job.global_batch)}\n"
         f"{cfg.optim.name} optimizer, {cfg.train.schedule} schedule, warmup {warmup:.1%} of "
         f"{planned_steps(cfg, job.total_steps)}\n"
-        f"precision {cfg.train.precision}, compile {cfg.train.compile}, "
-        f"loader workers per rank {job.train_loader.num_workers}\n"
+        f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
+        f"{cfg.train.activation_checkpointing}, loader workers per rank {job.train_loader.num_workers}\n"
         f"parameters {params:,}; {memory_line(cfg, info, job.model)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
@@ -468,11 +468,14 @@ def memory_line(cfg: Config, info: DistInfo, model: nn.Module) -> str:
     bare = dist.bare(model)
     units = sharding.units(bare) if cfg.train.strategy == "fsdp" else []
     mib = sharding.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
-    if cfg.train.strategy == "ddp" or not info.distributed:
-        return f"strategy ddp: static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
+    whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
+    if cfg.train.strategy == "ddp":
+        return f"strategy ddp: {whole}"
+    if not info.distributed:
+        return f"strategy fsdp in a world of one, nothing to shard: {whole}"
     return (
         f"strategy fsdp on {info.world_size} ranks, {len(units)} units: static memory per device ~{mib:.1f} MiB "
-        f"(a 1/{info.world_size} share, and the largest unit gathered)"
+        f"(a 1/{info.world_size} share, {sharding.gathered(cfg)})"
     )
 
 

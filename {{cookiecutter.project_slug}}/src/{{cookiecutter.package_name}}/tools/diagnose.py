@@ -253,12 +253,13 @@ def memory_report(cfg: Config, model: torch.nn.Module, ranks: int, gpu_gb: float
     and whether that fits a `gpu_gb` device (activations come on top: see the start-up line)."""
     units = sharding.units(model)
     params = sum(p.numel() for p in model.parameters())
-    lines = [f"{params:,} parameters, {len(units)} FSDP units; per device, before activations:"]
+    lines = [f"{params:,} parameters, {len(units)} FSDP units; weights, gradients and optimizer state per device:"]
     for strategy in ("ddp", "fsdp"):
         setting = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy=strategy))
         needed = sharding.static_memory_bytes(model, units, setting, ranks)
         fits = "yes" if needed <= gpu_gb * 1e9 else "no"
-        lines.append(f"  {strategy} on {ranks}: {needed / 1e9:.2f} GB; fits in {gpu_gb:g} GB: {fits}")
+        size = f"{needed / 1e9:.2f} GB" if needed >= 1e8 else f"{needed / 1e6:.1f} MB"
+        lines.append(f"  {strategy} on {ranks}: {size}; fits in {gpu_gb:g} GB: {fits}")
     return "\n".join(lines)
 
 
