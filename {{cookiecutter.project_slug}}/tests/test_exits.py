@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT, SMOKE_CONFIG, project_env
 
-SEQUENTIAL = int(os.environ.get("EXIT_STRESS_SEQUENTIAL", "12"))  # one after another, train.sh and smoke.sh in turn
+SEQUENTIAL = int(os.environ.get("EXIT_STRESS_SEQUENTIAL", "8"))  # one after another, train.sh and smoke.sh in turn
 ROUNDS = int(os.environ.get("EXIT_STRESS_ROUNDS", "2"))  # rounds of launches started together
 SIDE_BY_SIDE = 4  # launches in a round
 ABORTS = ("SIGABRT", "terminate called", "Signal 6")

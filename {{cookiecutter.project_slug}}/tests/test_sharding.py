@@ -224,7 +224,7 @@ def test_the_smoke_check_passes_under_fsdp_on_the_tasks_own_model(tmp_path):
 @pytest.mark.task
 def test_the_same_run_under_fsdp_reaches_ddps_evaluation(tmp_path):
     # fp32 and no recompute: the two differ only in the order gradients are summed
-    exact = ("train.precision=fp32", "train.max_steps=30", "train.eval_every=30")
+    exact = ("train.precision=fp32", "train.max_steps=20", "train.eval_every=20", "train.eval_limit=256")
     results = {}
     for strategy in ("ddp", "fsdp"):
         torchrun(*train_args(tmp_path / strategy, *exact, f"train.strategy={strategy}"), timeout=300)
