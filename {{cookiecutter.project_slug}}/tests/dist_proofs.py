@@ -1,13 +1,14 @@
 """Proofs of the distributed maths, run under torchrun (2 ranks on CPU/gloo in the tests).
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_proofs.py OUT_DIR [--only eval|fsdp] [section.key=value ...]
-    torchrun ... tests/dist_proofs.py OUT_DIR --resume CHECKPOINT [section.key=value ...]   # loads it exactly?
+    torchrun --standalone --nproc_per_node=2 tests/dist_proofs.py OUT [--only eval|fsdp|memory] [section.key=value ...]
+    torchrun ... tests/dist_proofs.py OUT --resume CHECKPOINT [section.key=value ...]   # loads it exactly?
 
 Each proof uses the project's own loop for the distributed side and, as the reference, one
 plain process written here by hand. Both see the task only through its seam (task.py), so
 the proofs hold for whatever model, data and loss the project trains. Rank 0 prints a
-PASS/FAIL line per proof (exit code 1 if one fails) and writes OUT_DIR/proofs-<world size>.json
-(fsdp-<world size>.json for `--only fsdp`, the sharded loop's proofs), on which
+PASS/FAIL line per proof (exit code 1 if one fails) and writes OUT/proofs-<world size>.json
+(fsdp-<world size>.json for `--only fsdp`, the sharded loop's proofs; memory-<world size>.json for
+`--only memory`, the sharded state of the model the overrides size, after one step), on which
 test_distributed.py asserts, one test per practice.
 """
 
@@ -233,6 +234,15 @@ def held_bytes(job: train.Job, info: DistInfo) -> dict:
         "estimated_bytes": sharding.state_bytes(params, info.world_size),
         "ddp_bytes": sharding.state_bytes(params, 1),
     }
+
+
+def prove_memory(out: Path, overrides: list[str], info: DistInfo) -> dict:
+    """The bytes each rank holds after one sharded step of the model `overrides` size, as estimated."""
+    cfg = exact_config(out, [*SHARDED, *overrides], "run.name=memory", "train.max_steps=1")
+    job = train.build(cfg, info)
+    with train.training_log(job, cfg, info) as log:
+        train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
+    return held_bytes(job, info) | {"parameters": sum(p.numel() for p in job.model.parameters())}
 
 
 def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
@@ -479,7 +489,7 @@ def reshuffle_verdict(orders: list[list[list[int]]]) -> checks.Row:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--only", choices=["eval", "fsdp"], default=None)
+    parser.add_argument("--only", choices=["eval", "fsdp", "memory"], default=None)
     parser.add_argument("--resume", type=Path, default=None, help="prove that this checkpoint loads exactly")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args()
@@ -521,12 +531,13 @@ def prove(args: argparse.Namespace, info: DistInfo) -> int:
         if info.is_main:
             (args.out / "resume.json").write_text(json.dumps(result))
         return 0
-    if args.only == "fsdp":
-        results = prove_sharded(args.out, args.overrides, info)
-        rows = sharded_verdicts(results)
+    if args.only in ("fsdp", "memory"):
+        sharded = args.only == "fsdp"
+        results = (prove_sharded if sharded else prove_memory)(args.out, args.overrides, info)
+        rows = sharded_verdicts(results) if sharded else [memory_verdict(results)]
         if info.is_main:
-            (args.out / f"fsdp-{info.world_size}.json").write_text(json.dumps(results))
-            print(checks.table(f"fsdp proofs on {info.world_size} ranks", rows), flush=True)
+            (args.out / f"{args.only}-{info.world_size}.json").write_text(json.dumps(results))
+            print(checks.table(f"{args.only} proofs on {info.world_size} ranks", rows), flush=True)
         return checks.exit_code(rows)
     results = {"world_size": info.world_size, "eval": prove_eval_counts(args.overrides, info)}
     if args.only is None:

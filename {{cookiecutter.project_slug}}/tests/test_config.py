@@ -1,7 +1,9 @@
 import re
 import shutil
 import socket
+import subprocess
 import sys
+from subprocess import PIPE
 
 import pytest
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
@@ -151,8 +153,12 @@ def test_every_rank_fails_on_a_bad_override_before_any_collective(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    for rank in ("0", "1"):
-        env = project_env(RANK=rank, LOCAL_RANK=rank, **world)
-        result = run([sys.executable, *train_args(tmp_path, "data.batch_size=-3")], env=env, timeout=60, check=False)
-        assert result.returncode == 2
-        assert "config error: data.batch_size: -3 is invalid; use at least 1" in result.stderr
+    command = [sys.executable, *train_args(tmp_path, "data.batch_size=-3")]
+    ranks = [
+        subprocess.Popen(command, cwd=PROJECT, env=project_env(RANK=rank, LOCAL_RANK=rank, **world), stderr=PIPE)
+        for rank in ("0", "1")
+    ]  # side by side, as torchrun starts them
+    for rank in ranks:
+        _, stderr = rank.communicate(timeout=60)
+        assert rank.returncode == 2
+        assert "config error: data.batch_size: -3 is invalid; use at least 1" in stderr.decode()

@@ -6,6 +6,7 @@ One torchrun launch runs every proof (tests/dist_proofs.py); each test checks on
 import copy
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import dist_proofs
 import pytest
@@ -22,10 +23,24 @@ needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.
 
 
 @pytest.fixture(scope="module")
-def proofs_launch(tmp_path_factory):
-    """The proofs' one launch; a failing proof exits 1, and the tests below say which one failed."""
-    out = tmp_path_factory.mktemp("proofs")
-    return torchrun(PROOFS, str(out), nproc=2, timeout=180, check=False), out
+def launches(tmp_path_factory) -> dict:
+    """The proofs' launch and the sharded loop's, side by side (each leaves a core idle half the
+    time): {name: (result, out)}. The sharded proofs run in a launch of their own: FSDP keeps the
+    process group's gloo threads alive past teardown (torch 2.14), which the teardown proof below
+    must not see. A failing proof exits 1, and the tests below say which one failed."""
+    commands = {"proofs": []} | ({} if sharding.floor_problem() else {"fsdp": ["--only", "fsdp"]})
+    outs = {name: tmp_path_factory.mktemp(name) for name in commands}
+
+    def launch(name):
+        return torchrun(PROOFS, str(outs[name]), *commands[name], nproc=2, timeout=180, check=False), outs[name]
+
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return dict(zip(commands, pool.map(launch, commands), strict=True))
+
+
+@pytest.fixture(scope="module")
+def proofs_launch(launches):
+    return launches["proofs"]
 
 
 @pytest.fixture(scope="module")
@@ -178,11 +193,8 @@ def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in()
 
 
 @pytest.fixture(scope="module")
-def sharded_launch(tmp_path_factory):
-    """The sharded loop's proofs, in a launch of their own: FSDP keeps the process group's gloo
-    threads alive past teardown (torch 2.14), which the teardown proof above must not see."""
-    out = tmp_path_factory.mktemp("fsdp")
-    return torchrun(PROOFS, str(out), "--only", "fsdp", nproc=2, timeout=180, check=False), out
+def sharded_launch(launches):
+    return launches["fsdp"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The language model's task: windows, the model, prepare, sample, FLOPs; and a real training run."""
 
 import email
+import json
 import math
 import pickle
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, task
+from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, sharding, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import training_flops_per_token
 from {{ cookiecutter.package_name }}.tools import prepare, sample
@@ -205,3 +206,28 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     )
     assert shards_loss == tokens_loss
     assert sample.load(tmp_path / "lm-shards", torch.device("cpu"))[1].decode(tokenizer.encode("def ")) == "def "
+
+
+needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
+
+
+@needs_fsdp
+@pytest.mark.task
+def test_under_fsdp_each_rank_holds_half_the_state_of_a_larger_model_as_estimated(tmp_path):
+    # the fast tier's fsdp proofs measure the smoke-sized model; this one is about 6x its parameters
+    proofs = str(PROJECT / "tests" / "dist_proofs.py")
+    result = torchrun(proofs, str(tmp_path), "--only", "memory", "model.layers=4", "model.width=128", timeout=180)
+    assert "memory proofs on 2 ranks: PASS" in result.stdout, result.stdout[-2000:] + result.stderr[-3000:]
+    measured = json.loads((tmp_path / "memory-2.json").read_text())
+    assert measured["parameters"] > 500_000
+    assert max(measured["held_bytes"]) <= 0.55 * measured["ddp_bytes"]
+
+
+@needs_fsdp
+@pytest.mark.task
+def test_sample_reads_the_checkpoint_of_an_fsdp_run(tmp_path):
+    run = ("train.strategy=fsdp", "train.max_steps=10", "train.precision=fp32", "run.name=lm-fsdp")
+    torchrun(*train_args(tmp_path, *run), timeout=180)
+    model, tokenizer = sample.load(tmp_path / "lm-fsdp", torch.device("cpu"))
+    text = tokenizer.decode(sample.generate(model, tokenizer.encode("def "), 20, 0.8, 40))
+    assert len(text.encode()) >= 20
