@@ -51,8 +51,12 @@ def in_package(module: str) -> Path:
     return PACKAGE / f"{module}.py"
 
 
-TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING = (
-    in_package(m) for m in ("train", "loaders", "optim", "checkpoint", "dist", "sharding")
+TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS = (
+    in_package(m) for m in ("train", "loaders", "optim", "checkpoint", "dist", "sharding", "samplers")
+)
+ELASTIC_PROOF = (
+    "tests/test_elastic.py::"
+    "test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches"
 )
 WRAP = "    model = wrap(raw_model, cfg, info)\n"
 BUILD_UP_TO_THE_OPTIMIZER = (
@@ -238,8 +242,8 @@ MUTANTS = [
         "RNG not restored",
         "exact resume: RNG state",
         CHECKPOINT,
-        "    set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])\n",
-        "",
+        "        set_rng_state(rngs[info.rank])\n",
+        "        pass\n",
     ),
     Mutant(
         "loader draws from the global RNG",
@@ -252,8 +256,31 @@ MUTANTS = [
         "mid-epoch position not skipped",
         "exact resume: mid-epoch",
         TRAIN,
-        "job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size",
-        "job.train_loader.sampler.skip = 0",
+        "sampler.resume_at(state.earlier_layouts, state.batch_in_epoch * cfg.data.batch_size)",
+        "sampler.resume_at(state.earlier_layouts, 0)",
+    ),
+    Mutant(
+        "an earlier world size's reads not removed",
+        "resume on another world size: the rest of the epoch once",
+        SAMPLERS,
+        "            order = self.unread(order, world, read)\n",
+        "            pass\n",
+    ),
+    Mutant(
+        "another world size's position taken as this one's",
+        "resume on another world size: the rest of the epoch once",
+        CHECKPOINT,
+        '    state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])\n',
+        "",
+        slow=(ELASTIC_PROOF,),
+    ),
+    Mutant(
+        "global batch not kept on another world size",
+        "resume on another world size: the global batch kept",
+        TRAIN,
+        "        cfg, batch_line = elastic.keep_global_batch(cfg, saved, info.world_size)\n",
+        "        batch_line = None\n",
+        slow=(ELASTIC_PROOF,),
     ),
     Mutant(
         "NaN check removed",

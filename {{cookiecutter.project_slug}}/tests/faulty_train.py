@@ -14,12 +14,16 @@
       wrong_output:    the model returns (B, C, 1) instead of (B, C) logits
       wrong_structure: the datasets yield {"sample": (...)} instead of the tuple the task unpacks
       bad_label:       the labels (last item of each sample) are shifted far out of range
+    Not a fault: RECORD=PREFIX writes the training-set indices of each optimizer step's samples,
+    one JSON line a step, to PREFIX-rank<RANK>.jsonl (the indices as the loop reads them: run it
+    with data.num_workers=0).
 The faults are injected from outside, through the task seam and the loop's own functions;
 the project's code has no test hooks and nothing in torch is patched.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -34,8 +38,10 @@ FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
 FAULT_STEP = int(os.environ.get("FAULT_STEP", "3"))
 FAULT_SECONDS = float(os.environ.get("FAULT_SECONDS", "0.05"))
 RANK = int(os.environ.get("RANK", "0"))
+RECORD = os.environ.get("RECORD")
 original_step = train.optimizer_step
 steps_done = 0
+read_since_last_step: list[int] = []
 
 
 def should_fire() -> bool:
@@ -51,6 +57,10 @@ def should_fire() -> bool:
 def faulty_optimizer_step(model, state, cfg):
     global steps_done
     steps_done = state.step + 1
+    if RECORD:
+        with open(f"{RECORD}-rank{RANK}.jsonl", "a") as record:
+            record.write(json.dumps({"step": steps_done, "indices": read_since_last_step}) + "\n")
+        read_since_last_step.clear()
     if FAULT == "crash" and RANK == FAULT_RANK and steps_done == FAULT_STEP and should_fire():
         raise RuntimeError(f"injected crash in step {steps_done}")
     if FAULT == "stall" and RANK == FAULT_RANK and steps_done == FAULT_STEP:
@@ -100,6 +110,30 @@ class Mapped:
         return self.change(*self.dataset[index])
 
 
+class Recorded:
+    """A training set that notes the indices the loop reads (in the loop's process: no workers)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        read_since_last_step.append(index)
+        return self.dataset[index]
+
+
+def recorded_datasets(cfg, original=task.build_datasets):
+    train_set, eval_set = original(cfg)
+    return Recorded(train_set), eval_set
+
+
+def epoch_recorded(job, cfg, info, log, stop, original=train.train_one_epoch):
+    read_since_last_step.clear()  # what the preflight read before training
+    return original(job, cfg, info, log, stop)
+
+
 def mistaken_datasets(cfg, original=task.build_datasets):
     if FAULT == "wrong_structure":
         change = lambda *sample: {"sample": sample}  # noqa: E731
@@ -136,6 +170,9 @@ if FAULT == "data":
     task.build_datasets = failing_datasets
 if FAULT == "fetch":
     task.build_model = fetching_model
+if RECORD:
+    task.build_datasets = recorded_datasets
+    train.train_one_epoch = epoch_recorded
 
 if __name__ == "__main__":
     sys.exit(train.main())

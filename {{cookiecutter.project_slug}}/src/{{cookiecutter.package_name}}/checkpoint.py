@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,9 @@ class TrainState:
     scaler: torch.amp.GradScaler
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current epoch
-    batch_in_epoch: int = 0  # micro-batches of this epoch already consumed
+    batch_in_epoch: int = 0  # micro-batches of this epoch each rank read on the current world size
+    # this epoch's layouts before a resume on another world size or batch: [world size, samples each rank read]
+    earlier_layouts: list = field(default_factory=list)
     tracked_run_id: str | None = None  # the W&B / MLflow run this training run continues (tracking.py)
 
     def state_dict(self) -> dict:
@@ -46,6 +48,7 @@ class TrainState:
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
+            "earlier_layouts": self.earlier_layouts,
             "tracked_run_id": self.tracked_run_id,
         }
 
@@ -53,7 +56,19 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.earlier_layouts = state.get("earlier_layouts", [])  # absent from checkpoints before it existed
         self.tracked_run_id = state["tracked_run_id"]
+
+    def continue_epoch_on(self, saved: dict, world_size: int, batch_size: int) -> None:
+        """A checkpoint written by `saved["world_size"]` ranks reading batches of
+        `saved["config"]["data"]["batch_size"]` resumes on `world_size` ranks with `batch_size`: a
+        change of either closes the epoch's layout at what each rank read (samplers.py)."""
+        if not self.batch_in_epoch:
+            return
+        before = (saved["world_size"], saved["config"]["data"]["batch_size"])
+        if before != (world_size, batch_size):
+            self.earlier_layouts = [*self.earlier_layouts, [before[0], self.batch_in_epoch * before[1]]]
+            self.batch_in_epoch = 0
 
 
 def rng_state() -> dict:
@@ -274,39 +289,40 @@ def changed_settings(saved: dict, current: dict, prefix: str = "") -> list[str]:
     return changes
 
 
-def resume(
-    model: nn.Module, state: TrainState, run_dir: RunDir, setting: str, info: DistInfo, config: dict
-) -> Path | None:
-    """Restore the weights and `state` as `setting` says (auto | never | a path); returns the file used.
-
-    Rank 0 chooses the file and every rank loads that same one, so ranks cannot disagree.
-    Settings that differ from the checkpoint's `config` are listed in a note.
-    """
+def choose(run_dir: RunDir, setting: str, info: DistInfo) -> tuple[Path | None, dict | None]:
+    """The checkpoint `setting` names (auto | never | a path) and its content, on every rank, or
+    (None, None) to start afresh. Rank 0 chooses the file and every rank loads that same one, so
+    ranks cannot disagree."""
     if setting == "never":
-        return None
+        return None, None
     if setting == "auto":
         chosen, payload = newest_loadable(run_dir) if info.is_main else (None, None)
         chosen = dist.broadcast_object(chosen)  # collective: all ranks, outside the branch
         if chosen is None:
-            return None
-        payload = payload or load_file(chosen)  # rank 0 loaded it while choosing
-    else:
-        try:
-            chosen, payload = find(setting)
-        except ConfigError as err:
-            raise ConfigError(f"checkpoint.resume: {err}") from None
-    weights = dist.bare(model)
-    mismatch = model_mismatch(weights, payload["model"])
+            return None, None
+        return chosen, payload or load_file(chosen)  # rank 0 loaded it while choosing
+    try:
+        return find(setting)
+    except ConfigError as err:
+        raise ConfigError(f"checkpoint.resume: {err}") from None
+
+
+def restore(model: nn.Module, state: TrainState, chosen: Path, payload: dict, info: DistInfo, config: dict) -> None:
+    """The weights and `state` of the chosen checkpoint, whatever the strategy and world size that
+    wrote it; the epoch goes on with the samples it has not read yet. Settings that differ from the
+    checkpoint's `config` are listed in a note."""
+    mismatch = model_mismatch(dist.bare(model), payload["model"])
     if mismatch:
         raise ConfigError(
             f"checkpoint.resume: {chosen} holds another model ({mismatch}): the model settings changed since it "
             "was written; pass run.name=<a new name> to start a new run, or checkpoint.resume=never to start afresh"
         )
-    problem = shards.resume_problem(payload, info.world_size, config)
+    problem = shards.resume_problem(payload, config)
     if problem:
         raise ConfigError(f"checkpoint.resume: {chosen.name} {problem}")
     load_full_state(model, state.optimizer, payload)
     state.load_state_dict(payload)
+    state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])
     changes = changed_settings(payload["config"], config)
     if changes:
         dist.print0(
@@ -316,5 +332,18 @@ def resume(
             "schedule these settings plan from that step (a new run.name starts afresh)",
         )
     rngs = payload["rng"]
-    set_rng_state(rngs[info.rank] if len(rngs) == info.world_size else rngs[0])
+    if info.rank < len(rngs):
+        set_rng_state(rngs[info.rank])
+    else:  # a rank the writing world did not have: generators of its own, unlike any other rank's
+        dist.seed_everything(config["run"]["seed"] + info.rank)
+
+
+def resume(
+    model: nn.Module, state: TrainState, run_dir: RunDir, setting: str, info: DistInfo, config: dict
+) -> Path | None:
+    """`choose` and `restore` in one: the checkpoint `setting` names into `model` and `state`;
+    returns the file used, or None."""
+    chosen, payload = choose(run_dir, setting, info)
+    if chosen is not None:
+        restore(model, state, chosen, payload, info, config)
     return chosen

@@ -163,6 +163,7 @@ class CheckpointConfig:
     every_steps: PositiveInt = 500  # optimizer steps between checkpoints (one is also written at the end)
     keep_last: PositiveInt = 3  # checkpoints kept in out_dir/name/checkpoints/
     resume: str = "auto"  # auto: newest loadable checkpoint of this run; never; or a file path
+    allow_new_global_batch: bool = False  # resumed on another world size: rescale the lr instead of keeping the batch
 
 
 @dataclass

@@ -1,32 +1,65 @@
-"""The training order: DistributedSampler that resumes mid-epoch, and the chunk-by-chunk order for
-packed shards. Both depend on the seed and the epoch only for the epoch's global order; each rank
-takes its part of it.
+"""The training order: DistributedSampler that resumes mid-epoch on any world size, and the
+chunk-by-chunk order for packed shards. An epoch's global order depends on the seed and the epoch
+only; each rank takes its part of it.
+
+A run resumed mid-epoch on another world size (or per-device batch) continues with the samples
+its epoch has not read yet: each layout the epoch ran on, [world size, samples each rank read],
+removes what it read from the order, and the current world takes its parts of the rest. With
+DistributedSampler's layout (rank r takes every W-th sample from r) what b batches of B on W ranks
+read is exactly the first b·B·W samples of the order, whatever W was, so the resumed run's global
+batches are the uninterrupted run's.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way, for exact mid-epoch resume."""
+    """DistributedSampler (drop_last) that can start an epoch part-way, on any world size."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.skip = 0  # samples of this rank's shard already consumed this epoch
+        self.skip = 0  # samples of this rank's part already read on the current world size
+        self.earlier: list[list[int]] = []  # this epoch's earlier layouts: [world size, samples each rank read]
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
-        self.skip = 0
+        self.resume_at([], 0)
+
+    def resume_at(self, earlier: list[list[int]], skip: int) -> None:
+        """Start the epoch after what `earlier` layouts read and the first `skip` samples of this rank's part."""
+        self.earlier, self.skip = [list(layout) for layout in earlier], skip
+
+    def global_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    @staticmethod
+    def unread(order: list[int], world: int, read: int) -> list[int]:
+        """`order` without what `world` ranks read, `read` each, in this layout: its first read·world."""
+        return order[read * world :]
+
+    def part(self, order: list[int]) -> list[int]:
+        """This rank's samples of `order` on the current world size: every world-size-th, equal counts."""
+        per_rank = len(order) // self.num_replicas
+        return order[self.rank : per_rank * self.num_replicas : self.num_replicas]
+
+    def remaining(self) -> list[int]:
+        order = self.global_order()
+        for world, read in self.earlier:
+            order = self.unread(order, world, read)
+        return order
 
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.skip, None)
+        return iter(self.part(self.remaining())[self.skip :])
 
     def __len__(self) -> int:
-        return super().__len__() - self.skip
+        unread = len(self.dataset) - sum(world * read for world, read in self.earlier)
+        return unread // self.num_replicas - self.skip
 
 
 class ChunkOrderSampler(ResumableSampler):
@@ -46,6 +79,13 @@ class ChunkOrderSampler(ResumableSampler):
         chunks = [self.chunks[c] for c in torch.randperm(len(self.chunks), generator=generator).tolist()]
         return torch.cat([chunk[torch.randperm(len(chunk), generator=generator)] for chunk in chunks]).tolist()
 
-    def __iter__(self):
-        first = self.rank * self.num_samples
-        return iter(self.global_order()[first + self.skip : first + self.num_samples])
+    @staticmethod
+    def unread(order: list[int], world: int, read: int) -> list[int]:
+        """`order` without the first `read` of each rank's consecutive part (the rest stays in order)."""
+        per_rank = len(order) // world
+        parts = [order[rank * per_rank + read : (rank + 1) * per_rank] for rank in range(world)]
+        return [index for part in parts for index in part] + order[world * per_rank :]
+
+    def part(self, order: list[int]) -> list[int]:
+        per_rank = len(order) // self.num_replicas
+        return order[self.rank * per_rank : (self.rank + 1) * per_rank]

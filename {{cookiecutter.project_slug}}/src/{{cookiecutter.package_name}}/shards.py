@@ -364,30 +364,23 @@ def publish(path: Path, content: bytes) -> None:
     os.replace(partial, path)
 
 
-def resume_problem(payload: dict, world_size: int, config: dict) -> str | None:
-    """Why a run with settings `config` on `world_size` ranks cannot resume from a checkpoint
-    (`payload`) in the middle of the epoch it was written in, or None.
+def resume_problem(payload: dict, config: dict) -> str | None:
+    """Why a run with settings `config` cannot resume from a checkpoint (`payload`) in the middle
+    of the epoch it was written in, or None.
 
-    Each rank skips the records it has read this epoch in the epoch's order: one shuffle of the
-    records (no shards, or data.shards_order=shuffle) or chunk by chunk through one pack. Each
-    rank's part of it depends on the world size. Another world size, or another order, would
-    read some records twice and others never.
+    The resumed run reads the records its epoch has not read yet, in the epoch's order: one
+    shuffle of the records (no shards, or data.shards_order=shuffle) or chunk by chunk through one
+    pack, on any world size (samplers.py). Another order would read some records twice and others
+    never.
     """
-    if not payload["batch_in_epoch"]:
+    if not payload["batch_in_epoch"] and not payload.get("earlier_layouts"):
         return None
     before, now = order_of(payload["config"]), order_of(config)
-    if before != now:
-        return (
-            f"was written in the middle of an epoch reading {describe_order(before)}, and this run reads "
-            f"{describe_order(now)}; finish the epoch as it was written, or pass checkpoint.resume=never"
-        )
-    saved = payload["world_size"]
-    if not config["data"]["shards"] or saved == world_size:
+    if before == now:
         return None
     return (
-        f"was written by {saved} ranks in the middle of an epoch of data.shards, and this run has "
-        f"{world_size}: the epoch's remaining records would not be read exactly once; resume on {saved} "
-        "ranks, or pass checkpoint.resume=never to start afresh"
+        f"was written in the middle of an epoch reading {describe_order(before)}, and this run reads "
+        f"{describe_order(now)}; finish the epoch as it was written, or pass checkpoint.resume=never"
     )
 
 

@@ -31,6 +31,7 @@ from . import (
     config,
     cpus,
     dist,
+    elastic,
     hardware,
     loaders,
     optim,
@@ -94,11 +95,21 @@ def check_hardware(cfg: Config, info: DistInfo) -> None:
 def run(cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> int:
     """Build, resume, train and save; returns the process exit code. `trackers` (empty, from
     `main`) are started here and told the run's end; the caller waits for them."""
-    job = build(cfg, info)
     problem = dist.shared_dir_problem(info, cfg.run_dir.root)  # every rank loads the checkpoint it resumes from
     if problem:
         raise ConfigError(problem)
-    resumed = checkpoint.resume(job.model, job.state, cfg.run_dir, cfg.checkpoint.resume, info, config.to_dict(cfg))
+    resumed, saved = checkpoint.choose(cfg.run_dir, cfg.checkpoint.resume, info)
+    batch_line = None
+    if saved is not None:  # before build: another world size keeps the global batch with another split
+        cfg, batch_line = elastic.keep_global_batch(cfg, saved, info.world_size)
+    job = build(cfg, info)
+    if resumed:
+        peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # train.lr scaled to this run's global batch
+        checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg))
+        elastic.rescale_lr(job.state, peak_lr)
+        del saved  # the whole state of a big model: not kept for the run's length
+    if batch_line:
+        dist.print0(info, batch_line)
     if resumed and job.state.step >= job.total_steps:  # its files stay as the finished run left them
         dist.print0(info, nothing_to_train(cfg, job.state.step, job.total_steps))
         return 0
@@ -251,12 +262,13 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemptio
             job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch
             if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
                 job.train_loader.dataset.set_epoch(state.epoch)
-            job.train_loader.sampler.skip = state.batch_in_epoch * cfg.data.batch_size  # resume mid-epoch
+            # resume mid-epoch: after what the epoch read, on earlier world sizes too
+            job.train_loader.sampler.resume_at(state.earlier_layouts, state.batch_in_epoch * cfg.data.batch_size)
             outcome = train_one_epoch(job, cfg, info, log, stop)
             if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.train.eval_every is None):
                 run_evaluation(job, cfg, info, log)
             if outcome is Outcome.EPOCH_END:
-                state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                state.epoch, state.batch_in_epoch, state.earlier_layouts = state.epoch + 1, 0, []
     finally:
         if job.profiler is not None:
             job.profiler.close()  # writes the trace of a window the run ended inside

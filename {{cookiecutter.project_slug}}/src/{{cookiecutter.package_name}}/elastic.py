@@ -1,0 +1,82 @@
+"""Resuming on another world size (a lost node, a smaller or bigger allocation, torchrun's
+elastic restarts): the run keeps the checkpoint's global batch, so its optimization goes on as
+planned, by choosing the per-device batch and accumulation steps the new world needs.
+
+Model, optimizer and schedule reshard on load (checkpoint.py); the data carries over exactly
+(samplers.py). When no split keeps the global batch, or checkpoint.allow_new_global_batch says
+so, the learning rate follows the new global batch by the run's scaling rule (optim.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from .rules import ConfigError
+
+if TYPE_CHECKING:
+    from .checkpoint import TrainState
+    from .config import Config
+
+
+def saved_global_batch(payload: dict) -> int:
+    settings = payload["config"]
+    return settings["data"]["batch_size"] * payload["world_size"] * settings["train"]["grad_accum_steps"]
+
+
+def split(global_batch: int, world_size: int, largest_batch: int) -> tuple[int, int] | None:
+    """(per-device batch, accumulation steps) that make `global_batch` on `world_size` ranks with
+    the largest per-device batch up to `largest_batch` (fewest micro-batches), or None."""
+    if global_batch % world_size:
+        return None
+    per_rank = global_batch // world_size
+    for steps in range(1, per_rank + 1):
+        if per_rank % steps == 0 and per_rank // steps <= largest_batch:
+            return per_rank // steps, steps
+    return None
+
+
+def keep_global_batch(cfg: Config, payload: dict, world_size: int) -> tuple[Config, str | None]:
+    """`cfg` with the per-device batch and accumulation that keep the checkpoint's global batch on
+    `world_size` ranks (at most data.batch_size per device), and the start-up line saying so; `cfg`
+    unchanged on the checkpoint's world size. Every rank computes the same, before any collective."""
+    saved_world = payload["world_size"]
+    if saved_world == world_size:
+        return cfg, None
+    wanted = saved_global_batch(payload)
+    batch, steps = cfg.data.batch_size, cfg.train.grad_accum_steps
+    resumed = f"resumed on {world_size} rank{'s' if world_size > 1 else ''} from a {saved_world}-rank checkpoint"
+    if batch * world_size * steps == wanted:
+        return cfg, f"{resumed}: batch {batch} x {world_size} x accum {steps} keeps the global batch {wanted}"
+    if cfg.checkpoint.allow_new_global_batch:
+        now = batch * world_size * steps
+        return cfg, (
+            f"{resumed}: the global batch goes from {wanted} to {now} = batch {batch} x {world_size} x accum "
+            f"{steps} (checkpoint.allow_new_global_batch), the lr rescaled by train.lr_scaling"
+        )
+    fit = split(wanted, world_size, batch)
+    if fit is None:
+        worlds = [w for w in range(1, wanted + 1) if split(wanted, w, batch)][:8]
+        raise ConfigError(
+            f"checkpoint.resume: the checkpoint's global batch {wanted} ({saved_world} ranks x batch "
+            f"{payload['config']['data']['batch_size']} x accum {payload['config']['train']['grad_accum_steps']}) "
+            f"does not split over {world_size} ranks with data.batch_size <= {batch}: resume on "
+            f"{', '.join(map(str, worlds))} ranks, raise data.batch_size, or pass "
+            "checkpoint.allow_new_global_batch=true to train on with the global batch this world gives"
+        )
+    batch, steps = fit
+    cfg = replace(cfg, data=replace(cfg.data, batch_size=batch), train=replace(cfg.train, grad_accum_steps=steps))
+    return cfg, f"{resumed}: batch {batch} x {world_size} x accum {steps} keeps the global batch {wanted}"
+
+
+def rescale_lr(state: TrainState, peak_lr: float) -> None:
+    """Make `peak_lr` (what this run's global batch scales train.lr to) the loaded schedule's peak:
+    the checkpoint's optimizer and schedule carry the peak of the global batch that wrote them."""
+    loaded = state.scheduler.base_lrs[0]
+    if loaded == peak_lr:
+        return
+    factor = peak_lr / loaded
+    state.scheduler.base_lrs = [lr * factor for lr in state.scheduler.base_lrs]
+    for group in state.optimizer.param_groups:
+        group["initial_lr"] *= factor
+        group["lr"] *= factor
