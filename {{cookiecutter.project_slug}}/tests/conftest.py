@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import launch
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -110,8 +111,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The run's newest checkpoint file on disk, or None."""
-    saved = sorted((Path(run_dir) / "checkpoints").glob("step_*.pt"))
+    """The run's newest complete checkpoint on disk (a file, or a sharded one's directory), or None."""
+    saved = RunDir(run_dir).saved_checkpoints()
     return saved[-1] if saved else None
 
 

@@ -29,6 +29,8 @@ from torch.utils.data import Dataset, Subset
 # run as a script (`torchrun tests/dist_proofs.py`), it finds the project's package without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from helpers import whole_checkpoint  # noqa: E402
+
 from {{ cookiecutter.package_name }} import (  # noqa: E402
     checkpoint,
     config,
@@ -517,7 +519,7 @@ def prove_resume(out: Path, overrides: list[str], info: DistInfo, path: Path) ->
     weights, optimizer = checkpoint.full_state(job.model, job.state.optimizer)
     if not info.is_main:
         return {}
-    _, saved = checkpoint.find(path)  # the file, or a run directory's newest
+    saved = whole_checkpoint(checkpoint.find(path, weights=False)[0])  # the file, or a run directory's newest
     differ = [name for name, value in weights.items() if not torch.equal(value, saved["model"][name])]
     for name, state in saved["optimizer"]["state"].items():
         ours = optimizer["state"][name]

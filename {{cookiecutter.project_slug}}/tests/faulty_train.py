@@ -7,6 +7,8 @@
       data:  rank FAULT_RANK's dataset raises when it reads a sample in step FAULT_STEP
       stall: rank FAULT_RANK sleeps FAULT_SECONDS before step FAULT_STEP (a stuck rank)
       slow:  every rank sleeps FAULT_SECONDS after each step (time to send a signal)
+      slow_publish: rank 0 sleeps FAULT_SECONDS before it publishes step FAULT_STEP's sharded
+             checkpoint, every part of it on disk (time to kill a rank in the middle of a save)
       fetch: the model build downloads FAULT_CACHE/weights (FAULT_SECONDS long) unless the file
              is there, as torchvision's pretrained weights do; each download adds its rank to
              FAULT_CACHE/fetched
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from {{ cookiecutter.package_name }} import task, train
+from {{ cookiecutter.package_name }} import sharded_checkpoint, task, train
 
 FAULT = os.environ.get("FAULT", "")
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
@@ -68,6 +70,12 @@ def faulty_optimizer_step(model, state, cfg):
     original_step(model, state, cfg)
     if FAULT == "slow":
         time.sleep(FAULT_SECONDS)
+
+
+def slow_publish(partial, final, run_dir, keep_last, original=sharded_checkpoint.publish):
+    if final == run_dir.checkpoint(FAULT_STEP, sharded=True):
+        time.sleep(FAULT_SECONDS)
+    original(partial, final, run_dir, keep_last)
 
 
 def nan_loss_sum(model, batch, original=task.loss_sum):
@@ -170,6 +178,10 @@ if FAULT == "data":
     task.build_datasets = failing_datasets
 if FAULT == "fetch":
     task.build_model = fetching_model
+if FAULT == "slow_publish":
+    sharded_checkpoint.publish = slow_publish
+if FAULT == "slow_publish":
+    sharded_checkpoint.publish = slow_publish
 if RECORD:
     task.build_datasets = recorded_datasets
     train.train_one_epoch = epoch_recorded

@@ -1,8 +1,12 @@
-"""Test models for the diagnostics."""
+"""Test models for the diagnostics, and a checkpoint of either format read whole."""
 
+import tempfile
+from pathlib import Path
+
+import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }} import checkpoint, task
 
 
 class WithUnusedHead(nn.Module):
@@ -19,3 +23,17 @@ class WithUnusedHead(nn.Module):
 
 def model_with_unused_head(cfg):
     return WithUnusedHead(cfg)
+
+
+def whole_checkpoint(path: Path) -> dict:
+    """Everything a checkpoint holds, in one dict, whichever its format: a sharded one's parts
+    joined with DCP's own converter (weights and the optimizer's state by parameter name)."""
+    payload = checkpoint.load_file(path)
+    if not payload.get("sharded"):
+        return payload
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        joined = Path(scratch) / "whole.pt"
+        dcp_to_torch_save(path, joined)
+        return payload | torch.load(joined, weights_only=True)

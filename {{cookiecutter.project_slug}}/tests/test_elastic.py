@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_args, wait_for
-from test_faults import FAULTY, worker_pid
+from test_faults import FAULTY, final_state, worker_pid
 
-from {{ cookiecutter.package_name }} import checkpoint, config, elastic, optim, samplers, task, train
+from {{ cookiecutter.package_name }} import config, elastic, optim, samplers, sharding, task, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.rundir import RunDir
 
 CHUNKS = [list(range(start, min(start + 7, 101))) for start in range(0, 101, 7)]  # 101 records, a short last chunk
 
@@ -144,12 +145,21 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find a worker's pid")
-def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches(tmp_path):
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", pytest.param("fsdp", marks=pytest.mark.skipif(bool(sharding.floor_problem()), reason="fsdp's floor"))],
+    ids=["ddp-full", "fsdp-sharded"],  # the checkpoint format each strategy writes by default
+)
+def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches(
+    tmp_path, strategy
+):
     per_epoch = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 12  # global batch 12: 6 x 2 ranks
     assert per_epoch > 14, "the kill must land mid-epoch"
     steps = per_epoch + 6  # into the next epoch
     exact = ("train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "data.batch_size=6", *NO_BATCHNORM)
     settings = (*exact, "checkpoint.every_steps=10", "checkpoint.keep_last=20", f"train.max_steps={steps}")
+    settings += (f"train.strategy={strategy}",)
+    written = RunDir(tmp_path / "killed" / "smoke").saved_checkpoints
     launch = [FAULTY, *train_args(tmp_path / "straight", *settings)[2:]]
     torchrun(*launch, env=project_env(RECORD=str(tmp_path / "straight")), timeout=180)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY]
@@ -157,7 +167,7 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
     env = project_env(FAULT="slow", FAULT_SECONDS="0.1", RECORD=str(tmp_path / "killed"))
     job = subprocess.Popen(command, cwd=PROJECT, env=env, text=True)
     try:
-        wait_for((tmp_path / "killed" / "smoke" / "checkpoints" / "step_00000010.pt").exists, timeout=90)
+        wait_for(lambda: bool(written()), timeout=90)  # step 10's, the first
         os.kill(worker_pid(job.pid, rank=1), signal.SIGKILL)  # mid-epoch 0, before step 20's checkpoint
         assert job.wait(timeout=60) != 0
     finally:
@@ -170,7 +180,7 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
             resumed = run([sys.executable, *resume], env=env, timeout=180)
         else:
             resumed = torchrun(*resume, nproc=world, env=env, timeout=180)
-        assert "step_00000010.pt at step 10" in resumed.stdout
+        assert "checkpoints/step_00000010" in resumed.stdout and "at step 10" in resumed.stdout
         batch, accum = (4, 1) if world == 3 else (6, 2)
         kept = f"from a 2-rank checkpoint: batch {batch} x {world} x accum {accum} keeps the global batch 12"
         assert kept in resumed.stdout, resumed.stdout[-2000:]
@@ -180,7 +190,6 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
             assert ours[step] == straight[step], f"on {world} ranks, step {step} read other samples"
         if train.has_batchnorm(task.build_model(config.load(SMOKE_CONFIG, list(NO_BATCHNORM)))):
             continue  # statistics of another per-device batch: other weights, as the batch size changed
-        weights = [checkpoint.load_file(tmp_path / name / "smoke" / "checkpoints" / f"step_{steps:08d}.pt")["model"]
-                   for name in ("straight", f"on{world}")]  # fmt: skip
+        weights = [final_state(tmp_path / name / "smoke", steps)["model"] for name in ("straight", f"on{world}")]
         largest = max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0])
         assert largest < 1e-5, f"on {world} ranks the weights differ by {largest:.1e}"

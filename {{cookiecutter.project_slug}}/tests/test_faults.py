@@ -24,6 +24,7 @@ from conftest import (
     train_args,
     wait_for,
 )
+from helpers import whole_checkpoint
 
 from {{ cookiecutter.package_name }} import checkpoint, config, optim, preemption, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
@@ -49,7 +50,9 @@ def faulty_run(out_dir, *overrides, launcher=(), timeout=120, **fault):
 
 
 def final_state(run_dir: Path, step: int) -> dict:
-    return checkpoint.load_file(run_dir / "checkpoints" / f"step_{step:08d}.pt")
+    """Step `step`'s checkpoint of the run, whole, in either format."""
+    path = RunDir(run_dir).checkpoint(step)
+    return whole_checkpoint(path if path.exists() else RunDir(run_dir).checkpoint(step, sharded=True))
 
 
 def assert_bit_identical(a, b, path="state"):
@@ -234,14 +237,14 @@ SETTINGS = config.to_dict(config.load(SMOKE_CONFIG))  # the run's settings, as r
 
 def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     run_dir = RunDir(tmp_path)
-    checkpoint.save(*small_run(1), run_dir, {}, INFO, keep_last=3)
+    checkpoint.save(*small_run(1), run_dir, SETTINGS, INFO, keep_last=3)
 
     def crash(src, dst):
         raise OSError("killed during the write")
 
     monkeypatch.setattr(checkpoint.os, "replace", crash)
     with pytest.raises(OSError, match="killed during the write"):
-        checkpoint.save(*small_run(2), run_dir, {}, INFO, keep_last=3)
+        checkpoint.save(*small_run(2), run_dir, SETTINGS, INFO, keep_last=3)
     monkeypatch.undo()
     assert not (tmp_path / "checkpoints" / "step_00000002.pt").exists()
     path, state = checkpoint.newest_loadable(run_dir)
@@ -251,7 +254,7 @@ def test_a_crash_between_write_and_rename_leaves_the_previous_checkpoint(tmp_pat
 def test_corrupt_checkpoints_are_skipped_by_auto_and_rejected_by_path(tmp_path):
     run_dir = RunDir(tmp_path)
     for step in (1, 2):
-        checkpoint.save(*small_run(step), run_dir, {}, INFO, keep_last=5)
+        checkpoint.save(*small_run(step), run_dir, SETTINGS, INFO, keep_last=5)
     good = (tmp_path / "checkpoints" / "step_00000002.pt").read_bytes()
     (tmp_path / "checkpoints" / "step_00000003.pt").write_bytes(good[: len(good) // 2])  # truncated
     (tmp_path / "checkpoints" / "step_00000004.pt").write_bytes(b"not a checkpoint")  # garbage
@@ -271,13 +274,13 @@ def test_corrupt_checkpoints_are_skipped_by_auto_and_rejected_by_path(tmp_path):
 
 def test_weights_with_nan_are_never_written_and_never_resumed_from(tmp_path):
     run_dir = RunDir(tmp_path)
-    checkpoint.save(*small_run(1), run_dir, {}, INFO, keep_last=5)
+    checkpoint.save(*small_run(1), run_dir, SETTINGS, INFO, keep_last=5)
     broken, state = small_run(2)
     with torch.no_grad():
         next(broken.parameters()).fill_(float("nan"))
     # one parameter filled with NaN (more names where weights are tied, as in a language model)
     with pytest.raises(FloatingPointError, match="not writing the checkpoint of step 2: [0-9]+ weights hold nan"):
-        checkpoint.save(broken, state, run_dir, {}, INFO, keep_last=5)
+        checkpoint.save(broken, state, run_dir, SETTINGS, INFO, keep_last=5)
     assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000001.pt"]
     # a file with such weights (copied in by hand, say): auto passes over it, a path to it is refused
     payload = checkpoint.load_file(run_dir.checkpoint(1)) | {"model": broken.state_dict(), "step": 2}
@@ -297,10 +300,11 @@ def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path, capsys):
 
 
 def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):
-    run_dir, data = RunDir(tmp_path), SETTINGS["data"]
-    written = {"train": {"epochs": 10, "lr": 0.1}, "checkpoint": {"resume": "auto"}, "data": data}
+    run_dir, train_settings, checkpoint_settings = RunDir(tmp_path), SETTINGS["train"], SETTINGS["checkpoint"]
+    written = SETTINGS | {"train": train_settings | {"epochs": 10, "lr": 0.1}}
     checkpoint.save(*small_run(3), run_dir, written, INFO, keep_last=1)
-    now = {"train": {"epochs": 1, "lr": 0.1}, "checkpoint": {"resume": "step_3.pt"}, "data": data}
+    now = SETTINGS | {"train": train_settings | {"epochs": 1, "lr": 0.1}}
+    now["checkpoint"] = checkpoint_settings | {"resume": "step_3.pt"}
     checkpoint.resume(*small_run(0), run_dir, "auto", INFO, now)
     note = capsys.readouterr().out
     assert note.startswith("note: resuming step_00000003.pt with settings changed since it was written: ")
@@ -310,7 +314,7 @@ def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):
 
 
 def test_resuming_another_models_checkpoint_is_one_config_error_that_names_the_fix(tmp_path):
-    payload = checkpoint.load_file(checkpoint.save(*small_run(3), RunDir(tmp_path), {}, INFO, keep_last=1))
+    payload = checkpoint.load_file(checkpoint.save(*small_run(3), RunDir(tmp_path), SETTINGS, INFO, keep_last=1))
     weights = payload["model"]
     reshaped = next(name for name, tensor in weights.items() if tensor.dim() >= 1)
     weights[reshaped] = torch.zeros(*weights[reshaped].shape, 2)
@@ -349,13 +353,13 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     for step in range(1, 6):
-        checkpoint.save(*small_run(step), RunDir(tmp_path), {}, INFO, keep_last=2)
+        checkpoint.save(*small_run(step), RunDir(tmp_path), SETTINGS, INFO, keep_last=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("*.pt")) == ["step_00000004.pt", "step_00000005.pt"]
 
 
 def test_export_gives_a_plain_state_dict(tmp_path):
     model, state = small_run(7)
-    path = checkpoint.save(model, state, RunDir(tmp_path), {}, INFO, keep_last=1)
+    path = checkpoint.save(model, state, RunDir(tmp_path), SETTINGS, INFO, keep_last=1)
     run([sys.executable, "-m", f"{PACKAGE}.tools.export", str(path), str(tmp_path / "weights.pt")])
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
     fresh = build_model(config.load(SMOKE_CONFIG))

@@ -1,11 +1,14 @@
-"""Complete, atomic, rank-0 checkpoints; the one lookup of the checkpoint to load; auto-resume.
+"""Complete, atomic checkpoints in either format; the one lookup of the checkpoint to load; auto-resume.
 
-Each checkpoint is one file in the run directory's checkpoints/ (rundir.py), step_00000500.pt
-for the state after optimizer step 500: the whole state under the parameters' names, gathered to
-rank 0 under either strategy, so it resumes under ddp or fsdp on any world size. It appears
-only once it is complete (written to a temporary file, fsynced, renamed), so a crash at any
-moment leaves the previous ones intact.
-`newest_loadable` and `find` are how every command finds the checkpoint to load.
+Each checkpoint holds the state after an optimizer step, under the parameters' names, so it
+resumes under ddp or fsdp on any world size (rundir.py names them):
+- checkpoint.format=full (the default under ddp): one file, step_00000500.pt, the whole state
+  gathered to rank 0 and written by it to a temporary file, fsynced, renamed;
+- checkpoint.format=sharded (the default under fsdp): a directory, step_00000500/, of every
+  rank's part, published by a rename once complete (sharded_checkpoint.py).
+Either way a crash at any moment leaves the previous ones intact.
+`newest_loadable` and `find` are how every command finds the checkpoint to load; `choose` and
+`restore` are how training resumes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dist, shards
+from . import dist, sharded_checkpoint, shards
 from .dist import DistInfo
 from .rules import ConfigError
 from .rundir import RunDir
@@ -107,19 +110,26 @@ def _as_tuples(value):
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def save(model: nn.Module, state: TrainState, run_dir: RunDir, config: dict, info: DistInfo, keep_last: int) -> Path:
-    """Write the weights and the state from rank 0; every rank must call this (it holds collectives).
+def save(
+    model: nn.Module,
+    state: TrainState,
+    run_dir: RunDir,
+    config: dict,
+    info: DistInfo,
+    keep_last: int,
+    final: bool = False,
+) -> Path:
+    """Write the weights and the state in the run's format (`format_of`); every rank must call this
+    (it holds collectives). A sharded checkpoint with checkpoint.async_save is written in the
+    background, except the run's `final` one, which exists when this returns.
 
-    Weights holding NaN or inf are never written (rank 0 finds them and every rank raises), so
+    Weights holding NaN or inf are never written (the ranks find them and every rank raises), so
     the newest checkpoint is always one a run can continue from.
     """
+    if format_of(config) == "sharded":
+        return save_sharded(model, state, run_dir, config, info, keep_last, final)
     weights, optimizer = full_state(model, state.optimizer)
-    broken = dist.broadcast_object(nonfinite(weights) if info.is_main else None)
-    if broken:
-        raise FloatingPointError(
-            f"not writing the checkpoint of step {state.step}: {len(broken)} weights hold nan or inf "
-            f"(e.g. {broken[0]}); the last checkpoint is kept: lower train.lr or lengthen the warmup"
-        )
+    refuse_nonfinite(dist.broadcast_object(nonfinite(weights) if info.is_main else None), state.step)
     rng_per_rank = dist.all_gather_objects(rng_state())  # collective: outside the rank-0 branch
     path = run_dir.checkpoint(state.step)
     if info.is_main:
@@ -129,6 +139,52 @@ def save(model: nn.Module, state: TrainState, run_dir: RunDir, config: dict, inf
         prune(run_dir, keep_last)
     dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
     return path
+
+
+def save_sharded(
+    model: nn.Module, state: TrainState, run_dir: RunDir, config: dict, info: DistInfo, keep_last: int, final: bool
+) -> Path:
+    """Every rank writes its part (sharded_checkpoint.py); rank 0 adds the state besides the tensors."""
+    sharded_checkpoint.WRITES.wait()  # the previous one first: one write in flight, and its failure seen here
+    if dist.sharded(model):  # fsdp leaves each rank its own BatchNorm statistics: rank 0's are the model's
+        dist.broadcast_buffers(model)
+    tensors = sharded_checkpoint.local_state(model, state.optimizer)
+    broken = nonfinite(sharded_checkpoint.local_tensors(tensors["model"]))
+    refuse_nonfinite(sorted({name for names in dist.all_gather_objects(broken) for name in names}), state.step)
+    rng_per_rank = dist.all_gather_objects(rng_state())
+    partial = sharded_checkpoint.prepare(run_dir, state.step, info)
+    if info.is_main:
+        payload = state.state_dict() | {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
+        atomic_save(_to_cpu(payload), partial / sharded_checkpoint.STATE_FILE)
+    background = config["checkpoint"]["async_save"] and not final
+    return sharded_checkpoint.write(tensors, partial, run_dir, state.step, info, keep_last, background)
+
+
+def refuse_nonfinite(broken: list[str], step: int) -> None:
+    """Raise on every rank (each holds the same `broken`) if any weight holds NaN or inf."""
+    if broken:
+        raise FloatingPointError(
+            f"not writing the checkpoint of step {step}: {len(broken)} weights hold nan or inf "
+            f"(e.g. {broken[0]}); the last checkpoint is kept: lower train.lr or lengthen the warmup"
+        )
+
+
+def format_of(config: dict) -> str:
+    """checkpoint.format, with auto resolved: sharded under fsdp (no rank can hold the whole
+    state of the models fsdp is for), one gathered file under ddp."""
+    chosen = config["checkpoint"]["format"]
+    if chosen != "auto":
+        return chosen
+    return "sharded" if config["train"]["strategy"] == "fsdp" else "full"
+
+
+def check(config: dict) -> None:
+    """Before any collective, on every rank: the checkpoint settings fit together."""
+    if config["checkpoint"]["async_save"] and format_of(config) != "sharded":
+        raise ConfigError(
+            "checkpoint.async_save: writes sharded checkpoints in the background; set checkpoint.format=sharded "
+            "(the default under train.strategy=fsdp) or checkpoint.async_save=false"
+        )
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -198,13 +254,21 @@ def _to_cpu(value):
     return value
 
 
-def prune(run_dir: RunDir, keep_last: int) -> None:
-    for old in run_dir.saved_checkpoints()[:-keep_last]:
-        old.unlink(missing_ok=True)
+prune = sharded_checkpoint.prune  # either format: the newest keep_last stay
 
 
 def load_file(path: str | Path) -> dict:
-    """Load a checkpoint on CPU; weights_only refuses pickled code from an untrusted file."""
+    """Load a checkpoint on CPU; weights_only refuses pickled code from an untrusted file. Of a
+    sharded checkpoint, its state.pt and the model's names and shapes: the weights stay on disk
+    (`find` reads them whole for the commands, `restore` each rank's part)."""
+    path = Path(path)
+    if sharded_checkpoint.is_checkpoint(path):
+        payload = _load(path / sharded_checkpoint.STATE_FILE)
+        return payload | {"sharded": True, "model_shapes": sharded_checkpoint.model_shapes(path)}
+    return _load(path)
+
+
+def _load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -235,23 +299,32 @@ def newest_loadable(run_dir: RunDir) -> tuple[Path | None, dict | None]:
 
 
 def nonfinite_problem(path: Path, payload: dict) -> str | None:
-    broken = nonfinite(payload["model"])
+    """Of a file's weights; a sharded checkpoint's were checked on every rank before it was written."""
+    broken = nonfinite(payload["model"]) if "model" in payload else []
     if not broken:
         return None
     return f"{path}: {len(broken)} of its weights hold nan or inf (e.g. {broken[0]})"
 
 
-def find(target: str | os.PathLike) -> tuple[Path, dict]:
+def find(target: str | os.PathLike, weights: bool = True) -> tuple[Path, dict]:
     """The checkpoint `target` names, loaded: a run directory's newest loadable one, or the file
-    itself. A ConfigError naming the fix when there is none, or the file is unusable."""
-    target = Path(target)
+    (or sharded checkpoint directory) itself; a sharded one's whole weights read into "model"
+    unless `weights` is False. A ConfigError naming the fix when there is none, or it is unusable."""
+    path, payload = _found(Path(target))
+    if weights and payload.get("sharded"):
+        payload["model"] = sharded_checkpoint.full_weights(path)
+    return path, payload
+
+
+def _found(target: Path) -> tuple[Path, dict]:
     if not target.exists():
-        raise ConfigError(f"{target} does not exist: pass a run directory (runs/<name>) or a checkpoint file")
-    if target.is_dir():
+        raise ConfigError(f"{target} does not exist: pass a run directory (runs/<name>) or a checkpoint")
+    if target.is_dir() and not sharded_checkpoint.is_checkpoint(target):
         path, payload = newest_loadable(RunDir(target))
         if path is None:
             raise ConfigError(
-                f"{target} holds no loadable checkpoint: pass a run directory (runs/<name>) or a .pt file"
+                f"{target} holds no loadable checkpoint: pass a run directory (runs/<name>), a .pt file or a "
+                "sharded checkpoint's directory"
             )
         return path, payload
     try:
@@ -265,11 +338,13 @@ def find(target: str | os.PathLike) -> tuple[Path, dict]:
 
 
 def model_mismatch(model: nn.Module, saved: dict) -> str | None:
-    """How a checkpoint's weights differ from `model`'s in names and shapes, or None if they fit."""
-    expected = model.state_dict()
+    """How a checkpoint's weights (`saved`: names to tensors or shapes) differ from `model`'s in
+    names and shapes, or None if they fit."""
+    expected = {name: value.shape for name, value in model.state_dict().items()}
+    saved = {name: getattr(value, "shape", value) for name, value in saved.items()}
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k not in expected]
-    reshaped = [k for k in expected if k in saved and expected[k].shape != saved[k].shape]
+    reshaped = [k for k in expected if k in saved and tuple(expected[k]) != tuple(saved[k])]
     if not (missing or unexpected or reshaped):
         return None
     counts = {"missing": missing, "unexpected": unexpected, "of another shape": reshaped}
@@ -297,12 +372,15 @@ def choose(run_dir: RunDir, setting: str, info: DistInfo) -> tuple[Path | None, 
         return None, None
     if setting == "auto":
         chosen, payload = newest_loadable(run_dir) if info.is_main else (None, None)
+        if info.is_main and run_dir.partial_checkpoints():
+            unfinished = ", ".join(path.name for path in run_dir.partial_checkpoints())
+            print(f"note: {unfinished}: a sharded checkpoint whose write never finished; not loaded", flush=True)
         chosen = dist.broadcast_object(chosen)  # collective: all ranks, outside the branch
         if chosen is None:
             return None, None
         return chosen, payload or load_file(chosen)  # rank 0 loaded it while choosing
     try:
-        return find(setting)
+        return find(setting, weights=False)  # a sharded checkpoint: each rank reads its part in restore
     except ConfigError as err:
         raise ConfigError(f"checkpoint.resume: {err}") from None
 
@@ -311,7 +389,7 @@ def restore(model: nn.Module, state: TrainState, chosen: Path, payload: dict, in
     """The weights and `state` of the chosen checkpoint, whatever the strategy and world size that
     wrote it; the epoch goes on with the samples it has not read yet. Settings that differ from the
     checkpoint's `config` are listed in a note."""
-    mismatch = model_mismatch(dist.bare(model), payload["model"])
+    mismatch = model_mismatch(dist.bare(model), payload["model_shapes"] if payload.get("sharded") else payload["model"])
     if mismatch:
         raise ConfigError(
             f"checkpoint.resume: {chosen} holds another model ({mismatch}): the model settings changed since it "
@@ -320,7 +398,10 @@ def restore(model: nn.Module, state: TrainState, chosen: Path, payload: dict, in
     problem = shards.resume_problem(payload, config)
     if problem:
         raise ConfigError(f"checkpoint.resume: {chosen.name} {problem}")
-    load_full_state(model, state.optimizer, payload)
+    if payload.get("sharded"):
+        sharded_checkpoint.load(model, state.optimizer, chosen)
+    else:
+        load_full_state(model, state.optimizer, payload)
     state.load_state_dict(payload)
     state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])
     changes = changed_settings(payload["config"], config)

@@ -164,6 +164,8 @@ class CheckpointConfig:
     keep_last: PositiveInt = 3  # checkpoints kept in out_dir/name/checkpoints/
     resume: str = "auto"  # auto: newest loadable checkpoint of this run; never; or a file path
     allow_new_global_batch: bool = False  # resumed on another world size: rescale the lr instead of keeping the batch
+    format: Literal["auto", "full", "sharded"] = "auto"  # auto: sharded under fsdp, full (one file) under ddp
+    async_save: bool = False  # sharded: the loop waits for the copy to CPU memory only, the write goes on behind it
 
 
 @dataclass

@@ -3,7 +3,7 @@ module asks, so no file name is spelled in two places.
 
     config.yaml            the resolved settings of the latest start
     metrics.jsonl          one record a line: log windows, evaluations, summaries (records.py)
-    checkpoints/           step_00000500.pt ... (checkpoint.py)
+    checkpoints/           step_00000500.pt ... (checkpoint.py), or step_00000500/ (sharded_checkpoint.py)
     tensorboard/           event files (run.tensorboard)
     profile/               torch.profiler traces (run.profile_steps)
     tracking/              the tracked-run id and what each tracker took (run.trackers)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CHECKPOINT_GLOB = "step_*.pt"
+CHECKPOINT_GLOB = "step_*"
 
 
 class RunDir:
@@ -42,12 +42,22 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
-    def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step_{step:08d}.pt"
+    def checkpoint(self, step: int, sharded: bool = False) -> Path:
+        """Step `step`'s checkpoint: a file, or a directory of every rank's part (`sharded`)."""
+        return self.checkpoints / (f"step_{step:08d}" if sharded else f"step_{step:08d}.pt")
+
+    def partial_checkpoint(self, step: int) -> Path:
+        """Where step `step`'s sharded checkpoint is written before it is complete."""
+        return self.checkpoints / f".step_{step:08d}.partial"
 
     def saved_checkpoints(self) -> list[Path]:
-        """The checkpoint files on disk, oldest first."""
-        return sorted(self.checkpoints.glob(CHECKPOINT_GLOB))
+        """The complete checkpoints on disk, files and sharded directories, oldest first."""
+        found = [p for p in self.checkpoints.glob(CHECKPOINT_GLOB) if p.suffix == ".pt" or p.is_dir()]
+        return sorted(found, key=lambda path: (path.name.removesuffix(".pt"), path.suffix))
+
+    def partial_checkpoints(self) -> list[Path]:
+        """Sharded checkpoints whose write never finished (a killed run's): never loaded."""
+        return sorted(self.checkpoints.glob(".step_*.partial"))
 
     def holds(self, checkpoint: str | os.PathLike) -> bool:
         """Whether `checkpoint` is one of this run's own (not another run's, passed by path)."""

@@ -135,7 +135,10 @@ class Wandb(Tracker):
     def finish(self, status: str, checkpoint: str | None) -> None:
         if checkpoint is not None:
             artifact = self.wandb.Artifact(re.sub(r"[^\w.-]", "-", f"{self.run.name}-checkpoint"), type="model")
-            artifact.add_file(checkpoint)
+            if Path(checkpoint).is_dir():  # a sharded checkpoint: every rank's part
+                artifact.add_dir(checkpoint, name=Path(checkpoint).name)
+            else:
+                artifact.add_file(checkpoint)
             self.run.log_artifact(artifact)
         if status == "preempted":
             self.run.mark_preempting()
@@ -198,7 +201,10 @@ class Mlflow(Tracker):
 
     def finish(self, status: str, checkpoint: str | None) -> None:
         if checkpoint is not None:
-            self.client.log_artifact(self.run_id, checkpoint, artifact_path="checkpoints")
+            if Path(checkpoint).is_dir():  # a sharded checkpoint: every rank's part
+                self.client.log_artifacts(self.run_id, checkpoint, artifact_path=f"checkpoints/{Path(checkpoint).name}")
+            else:
+                self.client.log_artifact(self.run_id, checkpoint, artifact_path="checkpoints")
         self.client.set_terminated(self.run_id, MLFLOW_STATUS[status])
 
 

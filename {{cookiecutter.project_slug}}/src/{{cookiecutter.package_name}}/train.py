@@ -75,6 +75,7 @@ def main(argv=None) -> int:
         check_hardware(cfg, info)
         optim.check(cfg)
         sharding.check(cfg, info.device)
+        checkpoint.check(config.to_dict(cfg))
         tensorboard.check(cfg.run.tensorboard)
         tracking.check(cfg.run.trackers)
     info = sharding.with_backend(cfg, info)
@@ -121,7 +122,7 @@ def run(cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) 
     with training_log(job, cfg, info, trackers) as log:
         report_startup(cfg, info, job, log, resumed)
         outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
-        final = save_checkpoint(job, cfg, info)
+        final = save_checkpoint(job, cfg, info, final=True)  # written when this returns, async_save or not
         if outcome is Outcome.PREEMPTED:  # leaving the log finishes the trackers after the checkpoint
             dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
             return preemption.report_preemption()
@@ -400,8 +401,9 @@ def check_finite(window: Window, cfg: Config) -> None:
         )
 
 
-def save_checkpoint(job: Job, cfg: Config, info: DistInfo) -> Path:
-    return checkpoint.save(job.model, job.state, cfg.run_dir, config.to_dict(cfg), info, cfg.checkpoint.keep_last)
+def save_checkpoint(job: Job, cfg: Config, info: DistInfo, final: bool = False) -> Path:
+    settings = config.to_dict(cfg)
+    return checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, cfg.checkpoint.keep_last, final)
 
 
 def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:

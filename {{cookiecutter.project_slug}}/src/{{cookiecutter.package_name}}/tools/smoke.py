@@ -202,10 +202,11 @@ def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[s
 
 
 def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
-    """Rank 0 wrote the file from its own replica; only its comparison is meaningful."""
-    path = train.save_checkpoint(job, cfg, info)
+    """Rank 0's weights are the checkpoint's (a file gathered to it, or every rank's part with its
+    buffers); only its comparison is meaningful."""
+    path = train.save_checkpoint(job, cfg, info, final=True)  # written, also with checkpoint.async_save
     fresh = task.build_model(cfg)
-    fresh.load_state_dict(checkpoint.load_file(path)["model"])
+    fresh.load_state_dict(checkpoint.find(path)[1]["model"])
     same = digest(fresh.state_dict().values()) == digest(dist.bare(job.model).state_dict().values())
     return (PASS if same else FAIL), f"{path.name} reloads into a plain model bit-identically"
 

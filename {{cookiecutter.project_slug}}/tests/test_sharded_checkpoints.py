@@ -1,0 +1,134 @@
+"""Sharded checkpoints (checkpoint.format=sharded): every rank's part in a directory published by
+a rename, read back whole by the commands or resharded by a resumed run (sharded_checkpoint.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROJECT, project_env, torchrun, train_args, wait_for
+from safetensors.torch import load_file
+from test_faults import FAULTY, INFO, SETTINGS, final_state, small_run, worker_pid
+
+from {{ cookiecutter.package_name }} import checkpoint, sharded_checkpoint
+from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }}.tools import export
+
+SHARDED = SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"format": "sharded"}}
+
+
+def trained(step: int):
+    """small_run's model and state after one real optimizer step (Adam's moments exist)."""
+    model, state = small_run(step)
+    model(torch.randn(4, next(model.parameters()).shape[1])).sum().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    return model, state
+
+
+def test_a_sharded_checkpoint_is_a_directory_published_whole_and_resumes_exactly(tmp_path):
+    run_dir = RunDir(tmp_path)
+    model, state = trained(3)
+    path = checkpoint.save(model, state, run_dir, SHARDED, INFO, keep_last=2)
+    assert path == tmp_path / "checkpoints" / "step_00000003" and sharded_checkpoint.is_checkpoint(path)
+    assert not run_dir.partial_checkpoints()
+    fresh, resumed = small_run(0)
+    assert checkpoint.resume(fresh, resumed, run_dir, "auto", INFO, SHARDED) == path
+    assert resumed.step == 3
+    for (name, ours), theirs in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(ours, theirs), name
+    for ours, theirs in zip(state.optimizer.state.values(), resumed.optimizer.state.values(), strict=True):
+        assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+    _, payload = checkpoint.find(path)  # the commands' way: the whole weights, in one process
+    assert all(torch.equal(payload["model"][name], value) for name, value in model.state_dict().items())
+    assert payload["config"] == SHARDED and "optimizer" not in payload
+
+
+def test_a_write_killed_before_its_rename_is_never_loaded_and_the_next_save_clears_it(tmp_path, monkeypatch, capsys):
+    run_dir = RunDir(tmp_path)
+    checkpoint.save(*trained(1), run_dir, SHARDED, INFO, keep_last=3)
+
+    def killed(src, dst):
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(sharded_checkpoint.os, "replace", killed)
+    with pytest.raises(OSError, match="killed before the rename"):
+        checkpoint.save(*trained(2), run_dir, SHARDED, INFO, keep_last=3)
+    monkeypatch.undo()
+    assert [path.name for path in run_dir.partial_checkpoints()] == [".step_00000002.partial"]
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000001"]
+    chosen, payload = checkpoint.choose(run_dir, "auto", INFO)
+    assert chosen.name == "step_00000001" and payload["step"] == 1
+    assert capsys.readouterr().out == (
+        "note: .step_00000002.partial: a sharded checkpoint whose write never finished; not loaded\n"
+    )
+    checkpoint.save(*trained(3), run_dir, SHARDED, INFO, keep_last=3)
+    assert not run_dir.partial_checkpoints()
+
+
+def test_keep_last_counts_both_formats_and_nan_weights_are_never_written(tmp_path):
+    run_dir = RunDir(tmp_path)
+    checkpoint.save(*trained(1), run_dir, SETTINGS, INFO, keep_last=2)  # a full one first: format switched
+    for step in (2, 3):
+        checkpoint.save(*trained(step), run_dir, SHARDED, INFO, keep_last=2)
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000002", "step_00000003"]
+    broken, state = trained(4)
+    with torch.no_grad():
+        next(broken.parameters()).fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="not writing the checkpoint of step 4: [0-9]+ weights hold nan"):
+        checkpoint.save(broken, state, run_dir, SHARDED, INFO, keep_last=2)
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000002", "step_00000003"]
+    assert not run_dir.partial_checkpoints()
+
+
+def test_another_models_sharded_checkpoint_is_refused_from_its_metadata(tmp_path):
+    path = checkpoint.save(*trained(3), RunDir(tmp_path), SHARDED, INFO, keep_last=1)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    refused = r"holds another model \(parameters and buffers: .* of another shape, e.g. 0.weight"
+    with pytest.raises(ConfigError, match=refused):
+        checkpoint.resume(other, small_run(0)[1], RunDir(tmp_path), str(path), INFO, SHARDED)
+
+
+def test_async_save_needs_the_sharded_format():
+    checkpoint.check(SHARDED | {"checkpoint": SHARDED["checkpoint"] | {"async_save": True}})
+    with pytest.raises(ConfigError, match="checkpoint.async_save: .* set checkpoint.format=sharded"):
+        checkpoint.check(SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"async_save": True}})
+
+
+def test_export_of_a_sharded_checkpoint_equals_that_of_the_full_one(tmp_path):
+    model, state = trained(5)
+    exported = []
+    for name, settings in (("full", SETTINGS), ("sharded", SHARDED)):
+        path = checkpoint.save(model, state, RunDir(tmp_path / name), settings, INFO, keep_last=1)
+        out = tmp_path / f"{name}.safetensors"
+        export.export_weights(path, out)
+        exported.append(load_file(out))
+    assert exported[0].keys() == exported[1].keys()
+    assert all(torch.equal(exported[0][name], exported[1][name]) for name in exported[0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find a worker's pid")
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
+def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_the_previous_checkpoint_to_resume(tmp_path, background):
+    settings = ("checkpoint.format=sharded", f"checkpoint.async_save={background}", "checkpoint.every_steps=10")
+    settings += ("checkpoint.keep_last=5", "train.max_steps=30")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY]
+    command += train_args(tmp_path, *settings)[2:]
+    env = project_env(FAULT="slow_publish", FAULT_STEP="20", FAULT_SECONDS="60")
+    job = subprocess.Popen(command, cwd=PROJECT, env=env, text=True)
+    partial = tmp_path / "smoke" / "checkpoints" / ".step_00000020.partial"
+    try:
+        wait_for((partial / ".metadata").exists, timeout=120)  # every part written, not yet published
+        os.kill(worker_pid(job.pid, rank=0), signal.SIGKILL)
+        assert job.wait(timeout=60) != 0
+    finally:
+        job.kill()
+    resumed = torchrun(*train_args(tmp_path, *settings), timeout=180)
+    assert "note: .step_00000020.partial: a sharded checkpoint whose write never finished; not loaded" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_00000010 at step 10" in resumed.stdout
+    assert not partial.exists() and final_state(tmp_path / "smoke", 30)["step"] == 30
