@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
-    PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
     newest_checkpoint,
     project_env,
-    run,
     torchrun,
     train_args,
     wait_for,
@@ -32,6 +30,7 @@ from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.task import build_datasets, build_model
+from {{ cookiecutter.package_name }}.tools import export
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
@@ -360,7 +359,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
 def test_export_gives_a_plain_state_dict(tmp_path):
     model, state = small_run(7)
     path = checkpoint.save(model, state, RunDir(tmp_path), SETTINGS, INFO, keep_last=1)
-    run([sys.executable, "-m", f"{PACKAGE}.tools.export", str(path), str(tmp_path / "weights.pt")])
+    assert export.main([str(path), str(tmp_path / "weights.pt")]) == 0  # the command, in this process
     weights = torch.load(tmp_path / "weights.pt", weights_only=True)
     fresh = build_model(config.load(SMOKE_CONFIG))
     fresh.load_state_dict(weights)  # strict: no module./_orig_mod. prefixes

@@ -19,6 +19,17 @@ from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import export
 
 SHARDED = SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"format": "sharded"}}
+FLOOR = sharded_checkpoint.floor_problem()
+pytestmark = pytest.mark.skipif(bool(FLOOR), reason=FLOOR or "")
+
+
+def test_below_its_floor_the_sharded_format_is_one_config_error_naming_the_version():
+    problem = sharded_checkpoint.floor_problem("2.4.1")
+    assert problem == (
+        "checkpoint.format: sharded needs torch>=2.8 (this is 2.4.1): pip install 'torch>=2.8', "
+        "or use checkpoint.format=full"
+    )
+    assert sharded_checkpoint.floor_problem("2.8.0") is None and sharded_checkpoint.floor_problem("2.14.1") is None
 
 
 def trained(step: int):

@@ -179,7 +179,9 @@ def format_of(config: dict) -> str:
 
 
 def check(config: dict) -> None:
-    """Before any collective, on every rank: the checkpoint settings fit together."""
+    """Before any collective, on every rank: the checkpoint settings fit together and can run here."""
+    if format_of(config) == "sharded" and sharded_checkpoint.floor_problem():
+        raise ConfigError(sharded_checkpoint.floor_problem())
     if config["checkpoint"]["async_save"] and format_of(config) != "sharded":
         raise ConfigError(
             "checkpoint.async_save: writes sharded checkpoints in the background; set checkpoint.format=sharded "

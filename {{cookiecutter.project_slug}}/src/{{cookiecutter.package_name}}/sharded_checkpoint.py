@@ -28,6 +28,18 @@ from . import dist
 from .rundir import RunDir
 
 STATE_FILE = "state.pt"  # rank 0's part besides the tensors: what TrainState and the run need
+FLOOR = (2, 8)  # DCP reads a whole checkpoint in one process of a group (no_dist) from here; fsdp's floor too
+
+
+def floor_problem(version: str = torch.__version__) -> str | None:
+    """Why torch `version` cannot write or read sharded checkpoints here, or None."""
+    if tuple(int(part) for part in version.split(".")[:2]) >= FLOOR:
+        return None
+    floor = ".".join(map(str, FLOOR))
+    return (
+        f"checkpoint.format: sharded needs torch>={floor} (this is {version}): pip install 'torch>={floor}', "
+        "or use checkpoint.format=full"
+    )
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -76,13 +88,13 @@ def write(state: dict, partial: Path, run_dir: RunDir, step: int, info, keep_las
 
     if not background:
         with quiet_alone():
-            dcp.save(state, checkpoint_id=partial, no_dist=not info.distributed)
+            dcp.save(state, checkpoint_id=partial)  # alone (no group): DCP writes as one process
         finish()
         dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
         return final
     with quiet_alone():
         group = WRITES.group()
-        response = dcp.async_save(state, checkpoint_id=partial, process_group=group, no_dist=not info.distributed)
+        response = dcp.async_save(state, checkpoint_id=partial, process_group=group)
     WRITES.start(getattr(response, "upload_completion", response), finish, final)
     return final
 
@@ -151,7 +163,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) ->
 
     state = local_state(model, optimizer)
     with quiet_alone():
-        dcp.load(state, checkpoint_id=directory, no_dist=not torch.distributed.is_initialized())
+        dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

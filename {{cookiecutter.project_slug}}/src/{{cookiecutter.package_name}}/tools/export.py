@@ -73,7 +73,9 @@ def unshared(weights: dict) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="a checkpoint file, or a run directory for its newest loadable one")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint file or sharded checkpoint directory, or a run directory for its newest"
+    )
     parser.add_argument("output", help="a .safetensors name selects safetensors; any other a plain state_dict")
     parser.add_argument("--format", choices=sorted(LOADERS), help="overrides the choice by suffix")
     args = parser.parse_args(argv)
