@@ -51,8 +51,9 @@ def in_package(module: str) -> Path:
     return PACKAGE / f"{module}.py"
 
 
-TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS = (
-    in_package(m) for m in ("train", "loaders", "optim", "checkpoint", "dist", "sharding", "samplers")
+TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS, SHARDED_CHECKPOINT = (
+    in_package(m)
+    for m in ("train", "loaders", "optim", "checkpoint", "dist", "sharding", "samplers", "sharded_checkpoint")
 )
 ELASTIC_PROOF = (
     "tests/test_elastic.py::"
@@ -273,6 +274,21 @@ MUTANTS = [
         '    state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])\n',
         "",
         slow=(ELASTIC_PROOF,),
+    ),
+    Mutant(
+        "sharded checkpoint written in place",
+        "atomic sharded checkpoints",
+        SHARDED_CHECKPOINT,
+        "    partial = run_dir.partial_checkpoint(step)\n",
+        "    partial = run_dir.checkpoint(step, sharded=True)\n",
+    ),
+    Mutant(
+        "fsdp saves each rank's BatchNorm statistics",
+        "sharded checkpoints hold rank 0's buffers",
+        CHECKPOINT,
+        "        dist.broadcast_buffers(model)\n",
+        "        pass\n",
+        slow=("tests/test_sharding.py::test_a_run_crashed_mid_epoch_under_fsdp_resumes_bit_identical",),
     ),
     Mutant(
         "global batch not kept on another world size",

@@ -156,8 +156,8 @@ def save_sharded(
     if info.is_main:
         payload = state.state_dict() | {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
         atomic_save(_to_cpu(payload), partial / sharded_checkpoint.STATE_FILE)
-    background = config["checkpoint"]["async_save"] and not final
-    return sharded_checkpoint.write(tensors, partial, run_dir, state.step, info, keep_last, background)
+    background, timeout = config["checkpoint"]["async_save"] and not final, config["dist"]["timeout_minutes"]
+    return sharded_checkpoint.write(tensors, partial, run_dir, state.step, info, keep_last, background, timeout)
 
 
 def refuse_nonfinite(broken: list[str], step: int) -> None:

@@ -19,6 +19,7 @@ import shutil
 import threading
 import warnings
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -73,10 +74,13 @@ def prepare(run_dir: RunDir, step: int, info: dist.DistInfo) -> Path:
     return partial
 
 
-def write(state: dict, partial: Path, run_dir: RunDir, step: int, info, keep_last: int, background: bool) -> Path:
+def write(
+    state: dict, partial: Path, run_dir: RunDir, step: int, info, keep_last: int, background: bool, timeout: float
+) -> Path:
     """Every rank writes its part of `state` into `partial` (rank 0 has written state.pt there);
     rank 0 publishes it as step `step`'s checkpoint once every part is on disk. In the background
-    (`background`) this returns after the copy to CPU memory; otherwise once the checkpoint exists."""
+    (`background`) this returns after the copy to CPU memory, the write's collectives bounded by
+    `timeout` minutes; otherwise once the checkpoint exists."""
     import torch.distributed.checkpoint as dcp
 
     dist.barrier()  # rank 0 made the directory
@@ -93,7 +97,7 @@ def write(state: dict, partial: Path, run_dir: RunDir, step: int, info, keep_las
         dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
         return final
     with quiet_alone():
-        group = WRITES.group()
+        group = WRITES.group(timeout)
         response = dcp.async_save(state, checkpoint_id=partial, process_group=group)
     WRITES.start(getattr(response, "upload_completion", response), finish, final)
     return final
@@ -116,11 +120,13 @@ class BackgroundWrite:
         self._error: BaseException | None = None
         self._path: Path | None = None
 
-    def group(self):
-        """A gloo group for the writes' collectives, apart from the loop's; made by every rank at
-        the first background save (a collective: all ranks reach it together)."""
+    def group(self, timeout_minutes: float):
+        """A gloo group for the writes' collectives, apart from the loop's and with its timeout (a
+        peer that died fails the write instead of holding this rank); made by every rank at the
+        first background save (a collective: all ranks reach it together)."""
         if self._group is None and torch.distributed.is_initialized():
-            self._group = torch.distributed.new_group(backend="gloo")
+            timeout = timedelta(minutes=timeout_minutes)
+            self._group = torch.distributed.new_group(backend="gloo", timeout=timeout)
         return self._group
 
     def start(self, future, finish, path: Path) -> None:
