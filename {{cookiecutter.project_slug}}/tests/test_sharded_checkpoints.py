@@ -120,6 +120,11 @@ def test_export_of_a_sharded_checkpoint_equals_that_of_the_full_one(tmp_path):
         exported.append(load_file(out))
     assert exported[0].keys() == exported[1].keys()
     assert all(torch.equal(exported[0][name], exported[1][name]) for name in exported[0])
+    export.export_weights(path, tmp_path / "bf16.safetensors", dtype="bf16")  # for inference, half the bytes
+    halved = load_file(tmp_path / "bf16.safetensors")
+    for name, tensor in exported[1].items():
+        assert halved[name].dtype == (torch.bfloat16 if tensor.is_floating_point() else tensor.dtype)
+        assert torch.equal(halved[name], tensor.to(halved[name].dtype))
 
 
 @pytest.mark.slow

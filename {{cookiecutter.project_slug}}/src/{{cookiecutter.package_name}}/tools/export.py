@@ -2,6 +2,7 @@
 
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors   # the newest checkpoint
     python -m {{ cookiecutter.package_name }}.tools.export runs/default/checkpoints/step_00000500.pt model.pt
+    python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors --dtype bf16  # inference size
 
 An output ending in .safetensors gets safetensors (the project's export extra); any other a
 plain state_dict; --format overrides the choice by suffix. The safetensors metadata records the
@@ -29,13 +30,20 @@ LOADERS = {
 }
 
 
-def export_weights(target: str | Path, output: str | Path, fmt: str | None = None) -> str:
-    """Write only the model's weights of the checkpoint `target` names (a file, or a run
-    directory's newest); returns the format written."""
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def export_weights(target: str | Path, output: str | Path, fmt: str | None = None, dtype: str | None = None) -> str:
+    """Write only the model's weights of the checkpoint `target` names (a file, a sharded
+    checkpoint's directory, or a run directory's newest), their floating-point tensors cast to
+    `dtype` if given (integer buffers stay); returns the format written."""
     fmt = fmt or ("safetensors" if Path(output).suffix == ".safetensors" else "pt")
     if fmt == "safetensors":
         extras.require("safetensors", "export to .safetensors")  # before the checkpoint is read
     _, payload = checkpoint.find(target)
+    if dtype is not None:
+        cast = DTYPES[dtype]
+        payload["model"] = {k: v.to(cast) if v.is_floating_point() else v for k, v in payload["model"].items()}
     if fmt == "safetensors":
         save_safetensors(payload, output)
     else:
@@ -78,9 +86,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("output", help="a .safetensors name selects safetensors; any other a plain state_dict")
     parser.add_argument("--format", choices=sorted(LOADERS), help="overrides the choice by suffix")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the floating-point weights (default: as saved)")
     args = parser.parse_args(argv)
     with exit_on_user_error():
-        fmt = export_weights(args.checkpoint, args.output, args.format)
+        fmt = export_weights(args.checkpoint, args.output, args.format, args.dtype)
     print(f"wrote {args.output}: load it with {LOADERS[fmt]}")
     return 0
 
