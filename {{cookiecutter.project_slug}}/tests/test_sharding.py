@@ -170,23 +170,24 @@ def test_a_ddp_checkpoint_loads_exactly_under_fsdp_and_back_on_other_world_sizes
 
 @needs_fsdp
 @pytest.mark.slow
-def test_a_run_crashed_mid_epoch_under_fsdp_resumes_bit_identical(tmp_path):
+@pytest.mark.parametrize(
+    "setup",
+    [
+        ("train.strategy=fsdp", "train.activation_checkpointing=selective", "checkpoint.async_save=true"),
+        ("train.strategy=ddp", "checkpoint.format=sharded"),
+    ],
+    ids=["fsdp-sharded-async", "ddp-sharded"],  # ddp's full checkpoints: test_faults.py; fsdp's default is sharded
+)
+def test_a_run_crashed_mid_epoch_with_sharded_checkpoints_resumes_bit_identical(tmp_path, setup):
     cfg = smoke_config()
     steps = len(task.build_datasets(cfg)[0]) // 2 // cfg.data.batch_size // cfg.train.grad_accum_steps + 5
-    overrides = ("checkpoint.every_steps=10", "checkpoint.keep_last=20", f"train.max_steps={steps}")
-    # sharded checkpoints (fsdp's default), written in the background
-    sharded = (
-        *overrides,
-        "train.strategy=fsdp",
-        "train.activation_checkpointing=selective",
-        "checkpoint.async_save=true",
-    )
-    torchrun(*train_args(tmp_path / "straight", *sharded), timeout=240)
+    overrides = ("checkpoint.every_steps=10", "checkpoint.keep_last=20", f"train.max_steps={steps}", *setup)
+    torchrun(*train_args(tmp_path / "straight", *overrides), timeout=240)
     straight = final_state(tmp_path / "straight" / "smoke", steps)
-    crashed = faulty_run(tmp_path, *sharded, FAULT="crash", FAULT_RANK="1", FAULT_STEP="15")
+    crashed = faulty_run(tmp_path, *overrides, FAULT="crash", FAULT_RANK="1", FAULT_STEP="15")
     assert crashed.returncode != 0 and "injected crash in step 15" in crashed.stderr
-    resumed = torchrun(*train_args(tmp_path, *sharded), timeout=240)
-    assert "step_00000010 at step 10" in resumed.stdout and "strategy fsdp on 2 ranks" in resumed.stdout
+    resumed = torchrun(*train_args(tmp_path, *overrides), timeout=240)
+    assert "step_00000010 at step 10" in resumed.stdout and f"strategy {setup[0].split('=')[1]}" in resumed.stdout
     result = final_state(tmp_path / "smoke", steps)
     for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
         assert_bit_identical(result[part], straight[part], part)

@@ -146,8 +146,9 @@ def save_sharded(
 ) -> Path:
     """Every rank writes its part (sharded_checkpoint.py); rank 0 adds the state besides the tensors."""
     sharded_checkpoint.WRITES.wait()  # the previous one first: one write in flight, and its failure seen here
-    if dist.sharded(model):  # fsdp leaves each rank its own BatchNorm statistics: rank 0's are the model's
-        dist.broadcast_buffers(model)
+    # each rank's BatchNorm statistics are its own last batch's (DDP sends rank 0's at the next
+    # forward, FSDP never), and DCP writes one rank's copy of a replicated tensor: make it rank 0's
+    dist.broadcast_buffers(model)
     tensors = sharded_checkpoint.local_state(model, state.optimizer)
     broken = nonfinite(sharded_checkpoint.local_tensors(tensors["model"]))
     refuse_nonfinite(sorted({name for names in dist.all_gather_objects(broken) for name in names}), state.step)
