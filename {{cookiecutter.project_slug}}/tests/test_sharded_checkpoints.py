@@ -2,6 +2,7 @@
 a rename, read back whole by the commands or resharded by a resumed run (sharded_checkpoint.py)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,9 +34,10 @@ def test_below_its_floor_the_sharded_format_is_one_config_error_naming_the_versi
 
 
 def trained(step: int):
-    """small_run's model and state after one real optimizer step (Adam's moments exist)."""
+    """small_run's model and state after one real optimizer step (Adam's moments exist); the
+    gradient comes from the weights alone, so any task's model takes it."""
     model, state = small_run(step)
-    model(torch.randn(4, next(model.parameters()).shape[1])).sum().backward()
+    sum((weight.float() ** 2).sum() for weight in model.parameters()).backward()
     state.optimizer.step()
     state.optimizer.zero_grad()
     return model, state
@@ -98,10 +100,13 @@ def test_keep_last_counts_both_formats_and_nan_weights_are_never_written(tmp_pat
 
 def test_another_models_sharded_checkpoint_is_refused_from_its_metadata(tmp_path):
     path = checkpoint.save(*trained(3), RunDir(tmp_path), SHARDED, INFO, keep_last=1)
-    other = torch.nn.Sequential(torch.nn.Linear(3, 2))
-    refused = r"holds another model \(parameters and buffers: .* of another shape, e.g. 0.weight"
+    other, state = small_run(0)  # the same model with its first weight one row longer
+    name, weight = next(iter(other.named_parameters()))
+    owner, _, leaf = name.rpartition(".")
+    setattr(other.get_submodule(owner), leaf, torch.nn.Parameter(torch.zeros(weight.shape[0] + 1, *weight.shape[1:])))
+    refused = rf"holds another model \(parameters and buffers: 1 of another shape, e.g. {re.escape(name)}\)"
     with pytest.raises(ConfigError, match=refused):
-        checkpoint.resume(other, small_run(0)[1], RunDir(tmp_path), str(path), INFO, SHARDED)
+        checkpoint.resume(other, state, RunDir(tmp_path), str(path), INFO, SHARDED)
 
 
 def test_async_save_needs_the_sharded_format():
