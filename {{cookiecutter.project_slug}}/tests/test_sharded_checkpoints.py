@@ -6,18 +6,19 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT, project_env, torchrun, train_args, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, project_env, torchrun, train_args, wait_for
 from safetensors.torch import load_file
 from test_faults import FAULTY, INFO, SETTINGS, final_state, small_run, worker_pid
 
-from {{ cookiecutter.package_name }} import checkpoint, sharded_checkpoint
+from {{ cookiecutter.package_name }} import checkpoint, sharded_checkpoint, train
 from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.rundir import RunDir
-from {{ cookiecutter.package_name }}.tools import export
+from {{ cookiecutter.package_name }}.tools import export, smoke
 
 SHARDED = SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"format": "sharded"}}
 FLOOR = sharded_checkpoint.floor_problem()
@@ -31,6 +32,9 @@ def test_below_its_floor_the_sharded_format_is_one_config_error_naming_the_versi
         "or use checkpoint.format=full"
     )
     assert sharded_checkpoint.floor_problem("2.8.0") is None and sharded_checkpoint.floor_problem("2.14.1") is None
+    assert sharded_checkpoint.read_problem(Path("step_00000010"), "2.6.0") == (
+        "step_00000010 is a sharded checkpoint, which torch>=2.8 reads (this is 2.6.0): pip install 'torch>=2.8'"
+    )
 
 
 def trained(step: int):
@@ -77,7 +81,7 @@ def test_a_write_killed_before_its_rename_is_never_loaded_and_the_next_save_clea
     chosen, payload = checkpoint.choose(run_dir, "auto", INFO)
     assert chosen.name == "step_00000001" and payload["step"] == 1
     assert capsys.readouterr().out == (
-        "note: .step_00000002.partial: a sharded checkpoint whose write never finished; not loaded\n"
+        "note: .step_00000002.partial: an incomplete sharded checkpoint (a write or a removal cut short); not loaded\n"
     )
     checkpoint.save(*trained(3), run_dir, SHARDED, INFO, keep_last=3)
     assert not run_dir.partial_checkpoints()
@@ -115,6 +119,56 @@ def test_async_save_needs_the_sharded_format():
         checkpoint.check(SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"async_save": True}})
 
 
+def test_the_smoke_check_refuses_checkpoint_settings_the_run_would_refuse(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        smoke.main(["--config", SMOKE_CONFIG, "checkpoint.format=full", "checkpoint.async_save=true"])
+    assert stopped.value.code == 2 and capsys.readouterr().err.count("checkpoint.async_save:") == 1
+
+
+def test_a_step_written_again_replaces_its_checkpoint(tmp_path):
+    # a run resumed from an earlier checkpoint (checkpoint.resume=<path>) reaches the steps it saved before
+    run_dir = RunDir(tmp_path)
+    checkpoint.save(*trained(3), run_dir, SHARDED, INFO, keep_last=2)
+    model, state = trained(3)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    path = checkpoint.save(model, state, run_dir, SHARDED, INFO, keep_last=2)
+    assert run_dir.saved_checkpoints() == [path] and not run_dir.partial_checkpoints()
+    _, payload = checkpoint.find(path)
+    assert all(torch.equal(payload["model"][name], value) for name, value in model.state_dict().items())
+
+
+def test_a_removal_cut_short_leaves_a_partial_directory_never_a_checkpoint_with_parts_missing(tmp_path, monkeypatch):
+    run_dir = RunDir(tmp_path)
+    checkpoint.save(*trained(1), run_dir, SHARDED, INFO, keep_last=1)
+    monkeypatch.setattr(sharded_checkpoint.shutil, "rmtree", lambda path, **kwargs: None)  # killed before it
+    checkpoint.save(*trained(2), run_dir, SHARDED, INFO, keep_last=1)
+    monkeypatch.undo()
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000002"]
+    assert [path.name for path in run_dir.partial_checkpoints()] == [".step_00000001.old.partial"]
+    checkpoint.save(*trained(3), run_dir, SHARDED, INFO, keep_last=1)
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000003"]
+    assert not run_dir.partial_checkpoints()
+
+
+def test_a_run_that_fails_with_a_write_in_flight_publishes_it_before_it_exits(tmp_path, monkeypatch, process_settings):
+    def slow_publish(partial, final, run_dir, keep_last, original=sharded_checkpoint.publish):
+        time.sleep(1)  # step 4's write still in flight when step 5 fails
+        original(partial, final, run_dir, keep_last)
+
+    def failing_step(model, state, cfg, original=train.optimizer_step):
+        if state.step == 4:
+            raise RuntimeError("injected failure in step 5")
+        original(model, state, cfg)
+
+    monkeypatch.setattr(sharded_checkpoint, "publish", slow_publish)
+    monkeypatch.setattr(train, "optimizer_step", failing_step)
+    overrides = ["checkpoint.format=sharded", "checkpoint.async_save=true", "checkpoint.every_steps=4"]
+    overrides += [f"run.out_dir={tmp_path}", "data.num_workers=0", "run.tensorboard=false"]
+    assert train.main(["--config", SMOKE_CONFIG, *overrides]) == 1
+    assert [path.name for path in RunDir(tmp_path / "smoke").saved_checkpoints()] == ["step_00000004"]
+
+
 def test_export_of_a_sharded_checkpoint_equals_that_of_the_full_one(tmp_path):
     model, state = trained(5)
     exported = []
@@ -134,9 +188,9 @@ def test_export_of_a_sharded_checkpoint_equals_that_of_the_full_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to find a worker's pid")
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_the_previous_checkpoint_to_resume(tmp_path, background):
-    settings = ("checkpoint.format=sharded", f"checkpoint.async_save={background}", "checkpoint.every_steps=10")
+def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    # the same kill during an asynchronous save: test_elastic.py's fsdp-sharded-async run
+    settings = ("checkpoint.format=sharded", "checkpoint.every_steps=10")
     settings += ("checkpoint.keep_last=5", "train.max_steps=30")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY]
     command += train_args(tmp_path, *settings)[2:]
@@ -150,6 +204,7 @@ def test_a_rank_killed_in_the_middle_of_a_sharded_save_leaves_the_previous_check
     finally:
         job.kill()
     resumed = torchrun(*train_args(tmp_path, *settings), timeout=180)
-    assert "note: .step_00000020.partial: a sharded checkpoint whose write never finished; not loaded" in resumed.stdout
+    note = "note: .step_00000020.partial: an incomplete sharded checkpoint (a write or a removal cut short); not loaded"
+    assert note in resumed.stdout
     assert "resumed from" in resumed.stdout and "step_00000010 at step 10" in resumed.stdout
     assert not partial.exists() and final_state(tmp_path / "smoke", 30)["step"] == 30

@@ -266,6 +266,9 @@ def load_file(path: str | Path) -> dict:
     (`find` reads them whole for the commands, `restore` each rank's part)."""
     path = Path(path)
     if sharded_checkpoint.is_checkpoint(path):
+        problem = sharded_checkpoint.read_problem(path)
+        if problem:
+            raise ValueError(problem)
         payload = _load(path / sharded_checkpoint.STATE_FILE)
         return payload | {"sharded": True, "model_shapes": sharded_checkpoint.model_shapes(path)}
     return _load(path)
@@ -377,7 +380,8 @@ def choose(run_dir: RunDir, setting: str, info: DistInfo) -> tuple[Path | None, 
         chosen, payload = newest_loadable(run_dir) if info.is_main else (None, None)
         if info.is_main and run_dir.partial_checkpoints():
             unfinished = ", ".join(path.name for path in run_dir.partial_checkpoints())
-            print(f"note: {unfinished}: a sharded checkpoint whose write never finished; not loaded", flush=True)
+            note = "an incomplete sharded checkpoint (a write or a removal cut short); not loaded"
+            print(f"note: {unfinished}: {note}", flush=True)
         chosen = dist.broadcast_object(chosen)  # collective: all ranks, outside the branch
         if chosen is None:
             return None, None

@@ -71,12 +71,17 @@ def keep_global_batch(cfg: Config, payload: dict, world_size: int) -> tuple[Conf
 
 def rescale_lr(state: TrainState, peak_lr: float) -> None:
     """Make `peak_lr` (what this run's global batch scales train.lr to) the loaded schedule's peak:
-    the checkpoint's optimizer and schedule carry the peak of the global batch that wrote them."""
-    loaded = state.scheduler.base_lrs[0]
+    the checkpoint's optimizer and schedule carry the peak of the global batch that wrote them.
+    A task's own schedule is rescaled too: a chain's schedules (SequentialLR, ChainedScheduler)
+    each, and the peak and floor OneCycleLR keeps in the optimizer's groups."""
+    loaded = state.optimizer.param_groups[0]["initial_lr"]
     if loaded == peak_lr:
         return
     factor = peak_lr / loaded
-    state.scheduler.base_lrs = [lr * factor for lr in state.scheduler.base_lrs]
+    for scheduler in (state.scheduler, *getattr(state.scheduler, "_schedulers", ())):
+        if hasattr(scheduler, "base_lrs"):  # SequentialLR has none of its own
+            scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
     for group in state.optimizer.param_groups:
-        group["initial_lr"] *= factor
-        group["lr"] *= factor
+        for key in ("initial_lr", "lr", "max_lr", "min_lr"):
+            if key in group:
+                group[key] *= factor

@@ -56,7 +56,7 @@ class RunDir:
         return sorted(found, key=lambda path: (path.name.removesuffix(".pt"), path.suffix))
 
     def partial_checkpoints(self) -> list[Path]:
-        """Sharded checkpoints whose write never finished (a killed run's): never loaded."""
+        """Sharded checkpoints whose write (or removal) never finished: never loaded; the next save clears them."""
         return sorted(self.checkpoints.glob(".step_*.partial"))
 
     def holds(self, checkpoint: str | os.PathLike) -> bool:

@@ -30,17 +30,32 @@ from .rundir import RunDir
 
 STATE_FILE = "state.pt"  # rank 0's part besides the tensors: what TrainState and the run need
 FLOOR = (2, 8)  # DCP reads a whole checkpoint in one process of a group (no_dist) from here; fsdp's floor too
+_FLOOR_NAME = ".".join(map(str, FLOOR))
 
 
 def floor_problem(version: str = torch.__version__) -> str | None:
-    """Why torch `version` cannot write or read sharded checkpoints here, or None."""
-    if tuple(int(part) for part in version.split(".")[:2]) >= FLOOR:
+    """Why torch `version` cannot write sharded checkpoints here, or None."""
+    if _at_floor(version):
         return None
-    floor = ".".join(map(str, FLOOR))
     return (
-        f"checkpoint.format: sharded needs torch>={floor} (this is {version}): pip install 'torch>={floor}', "
-        "or use checkpoint.format=full"
+        f"checkpoint.format: sharded needs torch>={_FLOOR_NAME} (this is {version}): pip install "
+        f"'torch>={_FLOOR_NAME}', or use checkpoint.format=full"
     )
+
+
+def read_problem(path: Path, version: str = torch.__version__) -> str | None:
+    """Why torch `version` cannot read the sharded checkpoint `path` (an export or an evaluation
+    on another machine than the run's), or None."""
+    if _at_floor(version):
+        return None
+    return (
+        f"{path} is a sharded checkpoint, which torch>={_FLOOR_NAME} reads (this is {version}): "
+        f"pip install 'torch>={_FLOOR_NAME}'"
+    )
+
+
+def _at_floor(version: str) -> bool:
+    return tuple(int(part) for part in version.split(".")[:2]) >= FLOOR
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -104,7 +119,11 @@ def write(
 
 
 def publish(partial: Path, final: Path, run_dir: RunDir, keep_last: int) -> None:
-    """Rank 0, once every part is on disk: the checkpoint under its name, then the oldest go."""
+    """Rank 0, once every part is on disk: the checkpoint under its name, then the oldest go. A
+    checkpoint of the same step (a run resumed from an earlier one got here again) is replaced."""
+    _fsync_dir(partial)  # its entries on disk before its name: a power cut must not publish a part
+    if final.exists():
+        removed(final)
     os.replace(partial, final)  # atomic: auto-resume sees the whole checkpoint or none of it
     _fsync_dir(final.parent)
     prune(run_dir, keep_last)
@@ -143,6 +162,16 @@ class BackgroundWrite:
                 self._done.set()
 
         future.add_done_callback(finished)
+
+    def close(self, timeout_minutes: float) -> None:
+        """At the run's end, however it ended: a write still in flight (the run failed during
+        it) finishes, or fails within the collective timeout, before the loop's group goes; then
+        the writers' group is freed, so no gloo thread of it lives into interpreter shutdown. No
+        collective: after a failure the peers may be anywhere."""
+        self._done.wait(timeout=timeout_minutes * 60 + 30)
+        if self._group is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group(self._group)
+        self._group, self._error, self._path = None, None, None
 
     def wait(self) -> None:
         """Wait for the write in flight; every rank raises if it failed on any rank (a collective:
@@ -211,9 +240,19 @@ def prune(run_dir: RunDir, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints of either format."""
     for old in run_dir.saved_checkpoints()[:-keep_last]:
         if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+            removed(old)
         else:
             old.unlink(missing_ok=True)
+
+
+def removed(directory: Path) -> None:
+    """Delete a sharded checkpoint: first renamed to a .partial name (not its own: a new write
+    of the same step may be there), so that a removal cut short leaves a directory no command
+    loads and the next save clears, never a checkpoint with parts missing."""
+    doomed = directory.with_name(f".{directory.name}.old.partial")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -37,6 +37,7 @@ from . import (
     optim,
     preemption,
     records,
+    sharded_checkpoint,
     sharding,
     task,
     tensorboard,
@@ -96,6 +97,13 @@ def check_hardware(cfg: Config, info: DistInfo) -> None:
 def run(cfg: Config, info: DistInfo, trackers: tracking.Trackers | None = None) -> int:
     """Build, resume, train and save; returns the process exit code. `trackers` (empty, from
     `main`) are started here and told the run's end; the caller waits for them."""
+    try:
+        return train_and_save(cfg, info, trackers)
+    finally:  # however the run ends, a checkpoint write in flight ends before the process group
+        sharded_checkpoint.WRITES.close(cfg.dist.timeout_minutes)
+
+
+def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | None) -> int:
     problem = dist.shared_dir_problem(info, cfg.run_dir.root)  # every rank loads the checkpoint it resumes from
     if problem:
         raise ConfigError(problem)

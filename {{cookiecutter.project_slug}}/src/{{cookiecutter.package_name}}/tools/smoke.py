@@ -250,6 +250,7 @@ def main(argv=None) -> int:
         cfg = config.load(args.config, [*SMOKE_RUN, *args.overrides])
         train.check_hardware(cfg, info)
         sharding.check(cfg, info.device)
+        checkpoint.check(config.to_dict(cfg))  # the round trip saves as the run would
     info = sharding.with_backend(cfg, info)
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
 
