@@ -99,6 +99,7 @@ def test_integers_are_accepted_for_floats():
     [
         ("train.precision=fp8", "train.precision: 'fp8' is not one of bf16, fp16, fp32"),
         ("train.nosuchkey=1", "train.nosuchkey: unknown key"),
+        ("model.nosuchkey=1", "fix its spelling, or, if ModelConfig changed, `python -m"),
         ("nosection.key=1", "nosection: unknown section"),
         ("data.batch_size=-3", "data.batch_size: -3 is invalid; use at least 1"),
         ("data.batch_size=abc", "data.batch_size: 'abc' is not an integer"),

@@ -259,7 +259,10 @@ def _build_section(name: str, cls: type, values: dict):
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:
-            raise ConfigError(f"{name}.{key}: unknown key; known keys: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"{name}.{key}: unknown key; known keys: {', '.join(sorted(known))}: fix its spelling, or, if "
+                f"{cls.__name__} changed, `python -m {__package__}.config sync <your config file>` drops its old keys"
+            )
     return cls(**{key: _check_type(f"{name}.{key}", value, hints[key]) for key, value in values.items()})
 
 
