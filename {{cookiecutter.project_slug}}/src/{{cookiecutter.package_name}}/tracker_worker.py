@@ -152,11 +152,15 @@ class Mlflow(Tracker):
 
     def __init__(self, start: dict):
         super().__init__(start)
-        # MLflow's own error before rank 0's limit: by default a closed port costs 7 retries (about
-        # 4 minutes) and a server that never answers 2 minutes a try; these are per request, so rank
-        # 0's run.tracker_timeout_s stays the bound on the whole call
+        # MLflow's own error well before rank 0's limit: by default a closed port costs 7 retries
+        # (about 4 minutes) and a server that never answers 2 minutes a try. Three tries of a sixth
+        # of the limit each and one back-off sleep of about a tenth (urllib3 sleeps 0, then twice
+        # the factor; MLflow adds up to 1 s of jitter to each) leave room for MLflow's import on a
+        # loaded machine; these are per request, so run.tracker_timeout_s bounds the whole call
+        limit = start["timeout"]
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(start["timeout"] // 4))))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(limit // 6))))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", str(int(limit // 20)))
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
