@@ -10,11 +10,13 @@ import pytest
 import torch
 from conftest import PACKAGE, SMOKE_CONFIG, read_metrics, run, torchrun, train_args
 from PIL import Image
+from test_faults import assert_bit_identical, final_state
 
 from {{ cookiecutter.package_name }} import config, data, loaders, model, preflight, samples, shapes, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+LAST_EPOCH = 160  # the step the sample's 5th epoch starts at: 40 steps of 2 x 16 images an epoch
 
 
 @pytest.fixture(scope="module")
@@ -180,22 +182,26 @@ def test_training_flops_match_torchvisions_published_count(tree):
 def test_a_torchvision_model_learns_the_shapes_on_two_ranks(tmp_path):
     """The built-in sample (dataset.root: null): real JPEGs decoded by loader workers."""
     overrides = ["run.name=shapes", "train.epochs=5", "data.num_workers=1"]  # 200 steps of 2 x 16 images
-    torchrun(*train_args(tmp_path, *overrides), timeout=400)
+    torchrun(*train_args(tmp_path, *overrides, f"checkpoint.every_steps={LAST_EPOCH}"), timeout=400)
     evals = [r for r in read_metrics(tmp_path / "shapes") if "eval_top1" in r]
     assert evals[-1]["eval_top1"] >= 0.9 and evals[-1]["eval_samples"] == 305, evals[-1]  # chance is 0.2
     record = next(r for r in read_metrics(tmp_path / "shapes") if "images_per_s" in r)
     assert record["images_per_s"] == pytest.approx(record["samples_per_s"]) and "mfu" not in record
 
-    # packed (encoded JPEG bytes and labels), the same run again: the same crops, the same weights
+    # packed (encoded JPEG bytes and labels), the last epoch again: the same crops, the same weights
     packed = tmp_path / "packed"
     run([sys.executable, "-m", f"{PACKAGE}.tools.pack", str(packed), "--config", SMOKE_CONFIG], timeout=120)
     in_order = ("run.name=shapes-shards", f"data.shards={packed}", "data.shards_order=shuffle")  # the tree's order
-    torchrun(*train_args(tmp_path, *overrides[1:], *in_order), timeout=400)
-    tree_top1, shards_top1 = (
-        [r["eval_top1"] for r in read_metrics(tmp_path / run) if "eval_top1" in r]
+    last_epoch = f"checkpoint.resume={tmp_path / 'shapes' / 'checkpoints' / f'step_{LAST_EPOCH:08d}.pt'}"
+    resumed = torchrun(*train_args(tmp_path, *overrides[1:], *in_order, last_epoch), timeout=200)
+    assert f"at step {LAST_EPOCH}" in resumed.stdout
+    tree_run, shards_run = (final_state(tmp_path / run, 200) for run in ("shapes", "shapes-shards"))
+    assert_bit_identical(shards_run["model"], tree_run["model"], "model")
+    tree_top1, shards_top1 = (  # from the resumed run's first evaluation, of the step-160 weights, on
+        [r["eval_top1"] for r in read_metrics(tmp_path / run) if "eval_top1" in r and r["step"] >= LAST_EPOCH]
         for run in ("shapes", "shapes-shards")
     )
-    assert shards_top1 == tree_top1
+    assert shards_top1 == tree_top1 and len(tree_top1) == 2
 
 
 @pytest.mark.task

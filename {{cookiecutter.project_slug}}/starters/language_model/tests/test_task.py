@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args
+from test_faults import assert_bit_identical, final_state
 
 from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, sharding, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -170,7 +171,7 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     )  # fmt: skip
     assert "train with dataset.dir=" in prepared.stdout
     overrides = [f"dataset.dir={tmp_path / 'tokens'}", "train.max_steps=240", "train.precision=fp32", "run.name=lm"]
-    torchrun(*train_args(tmp_path, *overrides), timeout=300)
+    torchrun(*train_args(tmp_path, *overrides, "checkpoint.every_steps=200"), timeout=300)
     final = [r for r in read_metrics(tmp_path / "lm") if "eval_loss" in r][-1]
     assert final["eval_loss"] < unigram_entropy(corpus) - 0.4, final
     record = next(r for r in read_metrics(tmp_path / "lm") if "tokens_per_s" in r)
@@ -186,25 +187,23 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     model, tokenizer = sample.load(tmp_path / "lm", torch.device("cpu"))
     assert len(sample.generate(model, tokenizer.encode("def "), 80, 0.8, 40)) == 80
 
-    # packed (one token window a record), the same run again: the same losses, without dataset.dir's files
+    # packed (one token window a record), its last 40 steps again: the same losses and weights,
+    # without dataset.dir's files
     packed = tmp_path / "packed"
-    command = [
-        sys.executable,
-        "-m",
-        f"{PACKAGE}.tools.pack",
-        str(packed),
-        "--config",
-        SMOKE_CONFIG,
-        overrides[0],
-    ]
+    command = [sys.executable, "-m", f"{PACKAGE}.tools.pack", str(packed), "--config", SMOKE_CONFIG, overrides[0]]
     subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, timeout=120, check=True)
     (tmp_path / "tokens" / "train.bin").unlink()
     on_shards = [*overrides[1:-1], "run.name=lm-shards", f"data.shards={packed}", "data.shards_order=shuffle"]
-    torchrun(*train_args(tmp_path, *on_shards), timeout=300)
+    from_200 = f"checkpoint.resume={tmp_path / 'lm' / 'checkpoints' / 'step_00000200.pt'}"
+    resumed = torchrun(*train_args(tmp_path, *on_shards, from_200), timeout=300)
+    assert "at step 200" in resumed.stdout
+    tokens_run, shards_run = (final_state(tmp_path / run, 240) for run in ("lm", "lm-shards"))
+    assert_bit_identical(shards_run["model"], tokens_run["model"], "model")
     tokens_loss, shards_loss = (
-        [r["eval_loss"] for r in read_metrics(tmp_path / run) if "eval_loss" in r] for run in ("lm", "lm-shards")
+        [r["eval_loss"] for r in read_metrics(tmp_path / run) if "eval_loss" in r and r["step"] >= 200]
+        for run in ("lm", "lm-shards")
     )
-    assert shards_loss == tokens_loss
+    assert shards_loss == tokens_loss and shards_loss
     assert sample.load(tmp_path / "lm-shards", torch.device("cpu"))[1].decode(tokenizer.encode("def ")) == "def "
 
 
