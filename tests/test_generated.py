@@ -56,8 +56,12 @@ def suites_at_once(count: int) -> int:
 def own_tests(project, options) -> tuple[subprocess.CompletedProcess, float]:
     """The project's pytest run, and its wall time in seconds."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options]
+    # one thread for the suite's own process, as its launches have (conftest.project_env): two
+    # suites share 2 cores, and torch's second thread spins for work there (a third of the CPU
+    # time of the in-process training runs, for the same wall time)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    result = subprocess.run(command, cwd=project, capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=1200)
     return result, time.monotonic() - start
 
 

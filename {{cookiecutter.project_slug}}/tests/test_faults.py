@@ -5,7 +5,6 @@ import pickle
 import random
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
