@@ -288,7 +288,9 @@ MUTANTS = [
         CHECKPOINT,
         "    dist.broadcast_buffers(model)\n    tensors = ",
         "    tensors = ",
-        slow=("tests/test_sharding.py::test_a_ddp_run_crashed_mid_epoch_with_sharded_checkpoints_resumes_bit_identical",),
+        slow=(
+            "tests/test_sharding.py::test_a_ddp_run_crashed_mid_epoch_with_sharded_checkpoints_resumes_bit_identical",
+        ),
     ),
     Mutant(
         "global batch not kept on another world size",

@@ -8,9 +8,9 @@ tier, which holds what those answers change (the maths proofs, the unit tests, t
 checked offline), and its Kubernetes drills (pods on loopback under each operator's
 environment, SIGTERM to PID 1 within the grace period); the bake matrix in
 test_bake.py lints every other combination. The starters run the fast tier plus their own slow
-tests (`pytest --task`, less the generic drills the defaults project already runs): the language
-model's real-text training and sampling, the image classifier's ResNet-18 learning the drawn
-shapes from JPEG files to 0.9 top-1.
+tests (`pytest --task`), less the generic drills and loop wiring the defaults project already
+runs: the language model's real-text training and sampling, the image classifier's ResNet-18
+learning the drawn shapes from JPEG files to 0.9 top-1.
 """
 
 import os
@@ -30,18 +30,22 @@ SHARDS = "tests/test_shards.py"  # packed shards: a folder and an S3-compatible 
 # which the defaults project runs for every code path they share; of the FSDP runs, the image
 # classifier passes the smoke check and the language model reaches its ddp run's evaluation
 SHARED = "eval_counts_each_sample or resume_mid_epoch or smoke_sh_passes"
-IMAGE_TESTS = ["--task", "-k", f"not ({SHARED} or same_run_under_fsdp)"]
-LANGUAGE_MODEL_TESTS = ["--task", "-k", f"not ({SHARED} or smoke_check_passes_under_fsdp)"]
+# and of the fast tier, the loop's wiring of each schedule, named optimizer and their resume
+# (test_wiring.py): train.py's calls, the same whatever the model; the task's own optimizer,
+# schedule, randomness on resume and forward with a state stay
+LOOP_WIRING = "uses_the_lr_of_its_schedule or steps_the_named_optimizer or resumed_mid_schedule"
+IMAGE_TESTS = ["--task", "-k", f"not ({SHARED} or {LOOP_WIRING} or same_run_under_fsdp)"]
+LANGUAGE_MODEL_TESTS = ["--task", "-k", f"not ({SHARED} or {LOOP_WIRING} or smoke_check_passes_under_fsdp)"]
 
 OTHER_ANSWERS = {"precision": "fp16", "grad_accum_steps": "4", "compile": True, "slurm": False, "kubernetes": True}
 # name -> (answers, the project's pytest options), the longest run first
 REPRESENTATIVE = {
     "defaults-rest": ({}, ["--slow", *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS, SHARDS])]),
-    "defaults-drills": ({}, ["--slow", *DRILLS]),
-    "defaults-exits": ({}, ["--slow", EXITS]),
     "defaults-trackers-shards": ({}, ["--slow", TRACKERS, SHARDS]),
     "image-classification": ({"task": "image_classification"}, IMAGE_TESTS),
+    "defaults-drills": ({}, ["--slow", *DRILLS]),
     "language-model": ({"task": "language_model"}, LANGUAGE_MODEL_TESTS),
+    "defaults-exits": ({}, ["--slow", EXITS]),
     "fp16-accum4-compile-k8s": (OTHER_ANSWERS, []),
     "k8s-drills": (OTHER_ANSWERS, ["--slow", "tests/test_kubernetes.py"]),
 }

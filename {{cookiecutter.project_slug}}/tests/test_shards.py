@@ -226,7 +226,7 @@ STOP_POINTS = {
 }
 # each point is stopped this many times, each time by the next of INT, TERM and HUP; before a
 # release, or after a change to how pack ends, run more: PACK_STOP_ROUNDS=9
-PACK_STOP_ROUNDS = int(os.environ.get("PACK_STOP_ROUNDS", "3"))
+PACK_STOP_ROUNDS = int(os.environ.get("PACK_STOP_ROUNDS", "2"))
 
 
 @pytest.mark.slow
@@ -313,15 +313,6 @@ def test_the_proofs_and_exact_evaluation_hold_on_shards_for_world_sizes_1_2_3(tm
         results = json.loads((tmp_path / f"proofs-{world}.json").read_text())["eval"]
         assert results["eval_samples"] == results["dataset_size"] == size, world  # no padding counted, no tail lost
         assert results == pytest.approx(reference, rel=1e-6), world  # fp32 sums in another order
-
-
-@pytest.mark.slow
-@needs_litdata
-def test_the_smoke_check_passes_on_shards(tmp_path, packed):
-    env = project_env(CUDA_VISIBLE_DEVICES="")
-    smoke = ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", f"data.shards={packed}"]
-    result = run(smoke, env=env, timeout=180)
-    assert "smoke: PASS (0 failed" in result.stdout
 
 
 def free_port() -> int:
