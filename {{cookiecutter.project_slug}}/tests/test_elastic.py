@@ -164,12 +164,15 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 
 
 # (the strategy's settings, the fault that gives time for the kill, what the kill waits for):
-# ddp's full checkpoints: the kill between step 10's save and step 20's; fsdp's sharded ones
-# written in the background: the kill while step 20's write, every part on disk, awaits its
-# publication (a kill -9 during an async save), and a resume on 2 ranks, bit-identical
+# full checkpoints: the kill between step 10's save and step 20's; fsdp's sharded ones written
+# in the background: the kill while step 20's write, every part on disk, awaits its publication
+# (a kill -9 during an async save). Then the resumes on WORLDS' ranks, on 2 bit-identical
 FSDP_FLOOR = sharding.floor_problem()
+WORLDS = {"ddp-full": (3,), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
+SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
 KILLS = {
-    "ddp-full": (("train.strategy=ddp",), {"FAULT": "slow", "FAULT_SECONDS": "0.1"}, "step_00000010.pt"),
+    "ddp-full": (("train.strategy=ddp",), SLOW_STEPS, "step_00000010.pt"),
+    "fsdp-full": (("train.strategy=fsdp", "checkpoint.format=full"), SLOW_STEPS, "step_00000010.pt"),
     "fsdp-sharded-async": (
         ("train.strategy=fsdp", "train.activation_checkpointing=selective", "checkpoint.async_save=true"),
         {"FAULT": "slow_publish", "FAULT_STEP": "20", "FAULT_SECONDS": "60"},
@@ -184,6 +187,7 @@ KILLS = {
     "kind",
     [
         "ddp-full",
+        pytest.param("fsdp-full", marks=pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")),
         pytest.param("fsdp-sharded-async", marks=pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")),
     ],
 )
@@ -205,8 +209,9 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
         assert job.wait(timeout=60) != 0
     finally:
         job.kill()
-    # ddp's resume on 2: test_faults.py; on 1 from full checkpoints: test_shards.py's kill drill
-    for world in (3,) if kind == "ddp-full" else (2, 3, 1):
+    # ddp's resume on 2: test_faults.py; on 1 from full checkpoints: test_shards.py's kill drill;
+    # fsdp's full checkpoints on another world size: test_sharding.py
+    for world in WORLDS[kind]:
         shutil.copytree(tmp_path / "killed", tmp_path / f"on{world}")
         resume = [FAULTY, *train_args(tmp_path / f"on{world}", *settings)[2:]]
         env = project_env(RECORD=str(tmp_path / f"on{world}"))
@@ -215,7 +220,7 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
         else:
             resumed = torchrun(*resume, nproc=world, env=env, timeout=180)
         assert "checkpoints/step_00000010" in resumed.stdout and "at step 10" in resumed.stdout
-        if kind != "ddp-full":
+        if kind == "fsdp-sharded-async":
             assert "note: .step_00000020.partial: an incomplete sharded checkpoint" in resumed.stdout
         straight, ours = recorded_steps(tmp_path / "straight"), recorded_steps(tmp_path / f"on{world}")
         assert sorted(ours) == list(range(11, steps + 1))
