@@ -289,7 +289,7 @@ MUTANTS = [
         "    dist.broadcast_buffers(model)\n    tensors = ",
         "    tensors = ",
         slow=(
-            "tests/test_sharding.py::test_a_ddp_run_crashed_mid_epoch_with_sharded_checkpoints_resumes_bit_identical",
+            "tests/test_shards.py::test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrupted_one",
         ),
     ),
     Mutant(

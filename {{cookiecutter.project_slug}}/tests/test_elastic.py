@@ -168,7 +168,7 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 # in the background: the kill while step 20's write, every part on disk, awaits its publication
 # (a kill -9 during an async save). Then the resumes on WORLDS' ranks, on 2 bit-identical
 FSDP_FLOOR = sharding.floor_problem()
-WORLDS = {"ddp-full": (3,), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
+WORLDS = {"ddp-full": (3, 1), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
 SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
 KILLS = {
     "ddp-full": (("train.strategy=ddp",), SLOW_STEPS, "step_00000010.pt"),
@@ -209,7 +209,7 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
         assert job.wait(timeout=60) != 0
     finally:
         job.kill()
-    # ddp's resume on 2: test_faults.py; on 1 from full checkpoints: test_shards.py's kill drill;
+    # ddp's resume on 2: test_faults.py (full checkpoints), test_shards.py (sharded ones, and on 1);
     # fsdp's full checkpoints on another world size: test_sharding.py
     for world in WORLDS[kind]:
         shutil.copytree(tmp_path / "killed", tmp_path / f"on{world}")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_args
-from test_faults import assert_bit_identical, faulty_run, final_state
+from test_faults import assert_bit_identical, final_state
 from test_launchers import smoke_rows
 from torch import nn
 
@@ -166,26 +166,6 @@ def test_a_ddp_checkpoint_loads_exactly_under_fsdp_and_back_on_other_world_sizes
     torchrun(*train_args(tmp_path / "fsdp", *steps, "train.strategy=fsdp"), timeout=180)
     proof = resume_proof(tmp_path / "ddp1", tmp_path / "fsdp" / "smoke", 1)  # and on 1 rank, as evaluate reads it
     assert proof["differ"] == [] and proof["strategy"] == "ddp" and proof["world_size"] == 1
-
-
-@needs_fsdp
-@pytest.mark.slow
-def test_a_ddp_run_crashed_mid_epoch_with_sharded_checkpoints_resumes_bit_identical(tmp_path):
-    # with the model's BatchNorm, whose statistics DDP keeps per rank between its broadcasts; ddp's
-    # full checkpoints: test_faults.py; fsdp's sharded async ones: test_elastic.py's resume on 2 ranks
-    setup = ("train.strategy=ddp", "checkpoint.format=sharded")
-    cfg = smoke_config()
-    steps = len(task.build_datasets(cfg)[0]) // 2 // cfg.data.batch_size // cfg.train.grad_accum_steps + 5
-    overrides = ("checkpoint.every_steps=10", "checkpoint.keep_last=20", f"train.max_steps={steps}", *setup)
-    torchrun(*train_args(tmp_path / "straight", *overrides), timeout=240)
-    straight = final_state(tmp_path / "straight" / "smoke", steps)
-    crashed = faulty_run(tmp_path, *overrides, FAULT="crash", FAULT_RANK="1", FAULT_STEP="15")
-    assert crashed.returncode != 0 and "injected crash in step 15" in crashed.stderr
-    resumed = torchrun(*train_args(tmp_path, *overrides), timeout=240)
-    assert "step_00000010 at step 10" in resumed.stdout and f"strategy {setup[0].split('=')[1]}" in resumed.stdout
-    result = final_state(tmp_path / "smoke", steps)
-    for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
-        assert_bit_identical(result[part], straight[part], part)
 
 
 def trained_step(model: nn.Module) -> torch.optim.Optimizer:

@@ -17,12 +17,13 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Subset
 
-from {{ cookiecutter.package_name }} import checkpoint, config, loaders, records, task, train
+from {{ cookiecutter.package_name }} import checkpoint, config, loaders, records, sharded_checkpoint, task, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import diagnose, smoke
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+SHARDED_FLOOR = sharded_checkpoint.floor_problem()
 
 
 @pytest.fixture
@@ -229,7 +230,13 @@ def assert_same(tree, expected) -> None:
         assert tree == expected
 
 
-def test_a_nan_loss_stops_the_run_before_a_checkpoint_is_written_from_it(train_here, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "checkpoint_format",
+    ["full", pytest.param("sharded", marks=pytest.mark.skipif(bool(SHARDED_FLOOR), reason=SHARDED_FLOOR or ""))],
+)
+def test_a_nan_loss_stops_the_run_before_a_checkpoint_is_written_from_it_and_a_rerun_resumes_before_it(
+    train_here, monkeypatch, tmp_path, capsys, checkpoint_format
+):
     steps_done, loss_sum, optimizer_step = [], task.loss_sum, train.optimizer_step
     monkeypatch.setattr(train, "optimizer_step", lambda *args: steps_done.append(optimizer_step(*args)))
 
@@ -237,11 +244,17 @@ def test_a_nan_loss_stops_the_run_before_a_checkpoint_is_written_from_it(train_h
         return loss_sum(model, batch) * (math.nan if len(steps_done) >= 4 else 1)
 
     monkeypatch.setattr(task, "loss_sum", nan_from_step_5)
+    settings = ("run.log_every=3", "checkpoint.every_steps=2", f"checkpoint.format={checkpoint_format}")
     # NaN from step 5; checks at the log steps 3, 6 and the checkpoints 2, 4: it stops at step 6, before its save
     with pytest.raises(FloatingPointError, match="loss is nan or inf between steps 5 and 6"):
-        train_here("train.max_steps=10", "run.log_every=3", "checkpoint.every_steps=2")
-    written = sorted(path.name for path in (tmp_path / "smoke" / "checkpoints").glob("step_*.pt"))
-    assert written == ["step_00000002.pt", "step_00000004.pt"]
+        train_here("train.max_steps=10", *settings)
+    checkpoints = tmp_path / "smoke" / "checkpoints"
+    suffix = ".pt" if checkpoint_format == "full" else ""
+    assert sorted(path.name for path in checkpoints.glob("step_*")) == [f"step_0000000{s}{suffix}" for s in (2, 4)]
+    monkeypatch.setattr(task, "loss_sum", loss_sum)  # the rerun, with the cause fixed (a lower lr, say)
+    capsys.readouterr()
+    train_here("train.max_steps=10", *settings)
+    assert f"step_00000004{suffix} at step 4" in capsys.readouterr().out
 
 
 def test_evaluation_scores_the_model_in_eval_mode_on_every_sample():
