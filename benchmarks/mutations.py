@@ -293,6 +293,13 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "an abandoned attempt's checkpoints left for auto-resume",
+        "a run started before the newest checkpoint sets the later ones aside",
+        TRAIN,
+        "        checkpoint.set_aside_later(cfg.run_dir, job.state.step)\n",
+        "",
+    ),
+    Mutant(
         "global batch not kept on another world size",
         "resume on another world size: the global batch kept",
         TRAIN,

@@ -163,22 +163,53 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
     return steps
 
 
-# (the strategy's settings, the fault that gives time for the kill, what the kill waits for):
+# (the strategy, its checkpoints, the fault that gives time for the kill, what the kill waits for):
 # full checkpoints: the kill between step 10's save and step 20's; fsdp's sharded ones written
 # in the background: the kill while step 20's write, every part on disk, awaits its publication
 # (a kill -9 during an async save). Then the resumes on WORLDS' ranks, on 2 bit-identical
 FSDP_FLOOR = sharding.floor_problem()
 WORLDS = {"ddp-full": (3, 1), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
 SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
+DDP = ("train.strategy=ddp",)
+FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=selective")
 KILLS = {
-    "ddp-full": (("train.strategy=ddp",), SLOW_STEPS, "step_00000010.pt"),
-    "fsdp-full": (("train.strategy=fsdp", "checkpoint.format=full"), SLOW_STEPS, "step_00000010.pt"),
+    "ddp-full": (DDP, (), SLOW_STEPS, "step_00000010.pt"),
+    "fsdp-full": (FSDP, ("checkpoint.format=full",), SLOW_STEPS, "step_00000010.pt"),
     "fsdp-sharded-async": (
-        ("train.strategy=fsdp", "train.activation_checkpointing=selective", "checkpoint.async_save=true"),
+        FSDP,
+        ("checkpoint.async_save=true",),
         {"FAULT": "slow_publish", "FAULT_STEP": "20", "FAULT_SECONDS": "60"},
         ".step_00000020.partial/.metadata",
     ),
 }
+
+
+def elastic_settings(strategy: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    """The drill's settings under `strategy` and its steps: an epoch and 6 steps of the next."""
+    per_epoch = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 12  # global batch 12: 6 x 2 ranks
+    assert per_epoch > 14, "the kill must land mid-epoch"
+    steps = per_epoch + 6
+    exact = ("train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "data.batch_size=6", *NO_BATCHNORM)
+    checkpoints = ("checkpoint.every_steps=10", "checkpoint.keep_last=20")
+    return (*exact, *checkpoints, f"train.max_steps={steps}", *strategy), steps
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """`uninterrupted(strategy)`: the directory of the strategy's uninterrupted 2-rank run, which
+    recorded its samples; one run per strategy, whatever format its checkpoints (the weights are
+    the same)."""
+    done = {}
+
+    def get(strategy: tuple[str, ...]) -> Path:
+        if strategy not in done:
+            out = tmp_path_factory.mktemp("straight")
+            launch = [FAULTY, *train_args(out, *elastic_settings(strategy)[0])[2:]]
+            torchrun(*launch, env=project_env(RECORD=str(out)), timeout=180)
+            done[strategy] = out
+        return done[strategy]
+
+    return get
 
 
 @pytest.mark.slow
@@ -191,15 +222,13 @@ KILLS = {
         pytest.param("fsdp-sharded-async", marks=pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")),
     ],
 )
-def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches(tmp_path, kind):
-    strategy, fault, killed_after = KILLS[kind]
-    per_epoch = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 12  # global batch 12: 6 x 2 ranks
-    assert per_epoch > 14, "the kill must land mid-epoch"
-    steps = per_epoch + 6  # into the next epoch
-    exact = ("train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "data.batch_size=6", *NO_BATCHNORM)
-    settings = (*exact, "checkpoint.every_steps=10", "checkpoint.keep_last=20", f"train.max_steps={steps}", *strategy)
-    launch = [FAULTY, *train_args(tmp_path / "straight", *settings)[2:]]
-    torchrun(*launch, env=project_env(RECORD=str(tmp_path / "straight")), timeout=180)
+def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches(
+    tmp_path, kind, uninterrupted
+):
+    strategy, checkpoints, fault, killed_after = KILLS[kind]
+    straight_dir = uninterrupted(strategy)
+    settings, steps = elastic_settings(strategy)
+    settings += checkpoints
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", FAULTY]
     command += train_args(tmp_path / "killed", *settings)[2:]
     job = subprocess.Popen(command, cwd=PROJECT, env=project_env(**fault), text=True)
@@ -222,11 +251,11 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
         assert "checkpoints/step_00000010" in resumed.stdout and "at step 10" in resumed.stdout
         if kind == "fsdp-sharded-async":
             assert "note: .step_00000020.partial: an incomplete sharded checkpoint" in resumed.stdout
-        straight, ours = recorded_steps(tmp_path / "straight"), recorded_steps(tmp_path / f"on{world}")
+        straight, ours = recorded_steps(straight_dir), recorded_steps(tmp_path / f"on{world}")
         assert sorted(ours) == list(range(11, steps + 1))
         for step in ours:
             assert ours[step] == straight[step], f"on {world} ranks, step {step} read other samples"
-        final = [final_state(tmp_path / name / "smoke", steps) for name in ("straight", f"on{world}")]
+        final = [final_state(path / "smoke", steps) for path in (straight_dir, tmp_path / f"on{world}")]
         if world == 2:
             for part in ("model", "optimizer", "scheduler", "step", "epoch"):
                 assert_bit_identical(final[1][part], final[0][part], part)

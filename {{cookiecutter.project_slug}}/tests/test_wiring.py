@@ -20,6 +20,7 @@ from torch.utils.data import Subset
 from {{ cookiecutter.package_name }} import checkpoint, config, loaders, records, sharded_checkpoint, task, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import diagnose, smoke
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
@@ -255,6 +256,18 @@ def test_a_nan_loss_stops_the_run_before_a_checkpoint_is_written_from_it_and_a_r
     capsys.readouterr()
     train_here("train.max_steps=10", *settings)
     assert f"step_00000004{suffix} at step 4" in capsys.readouterr().out
+
+
+def test_a_run_started_from_an_older_checkpoint_sets_the_later_ones_aside_from_auto(train_here, tmp_path, capsys):
+    train_here("train.max_steps=6", "checkpoint.every_steps=2")
+    run_dir = RunDir(tmp_path / "smoke")
+    capsys.readouterr()
+    train_here("train.max_steps=3", f"checkpoint.resume={run_dir.checkpoint(2)}")  # back to step 2, on another path
+    moved = "note: step_00000004.pt, step_00000006.pt: written by an earlier attempt after step 2, where this run"
+    assert moved in capsys.readouterr().out
+    assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000002.pt", "step_00000003.pt"]
+    assert sorted(path.name for path in run_dir.superseded.iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
+    assert checkpoint.choose(run_dir, "auto", WORLD_OF_ONE)[0] == run_dir.checkpoint(3)  # this attempt's, not step 6
 
 
 def test_evaluation_scores_the_model_in_eval_mode_on_every_sample():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,6 +259,35 @@ def _to_cpu(value):
 
 
 prune = sharded_checkpoint.prune  # either format: the newest keep_last stay
+
+
+def set_aside_later(run_dir: RunDir, step: int) -> list[str]:
+    """Move the run's checkpoints of steps after `step`, the one this attempt starts from, into
+    checkpoints/superseded/, with a note: an earlier attempt wrote them on a timeline this one
+    abandons (a resume from an older checkpoint, or checkpoint.resume=never), and a crash of this
+    attempt must not auto-resume onto it. Kept, not deleted; a name already there is an even older
+    attempt's. Rank 0's work, before the first save."""
+    later = [path for path in run_dir.saved_checkpoints() if step_of(path) > step]
+    if not later:
+        return []
+    run_dir.superseded.mkdir(exist_ok=True)
+    for path in later:
+        target = run_dir.superseded / path.name
+        if target.is_dir():  # no command reads this folder: no care for a removal cut short
+            shutil.rmtree(target)
+        target.unlink(missing_ok=True)
+        os.replace(path, target)
+    names = [path.name for path in later]
+    print(
+        f"note: {', '.join(names)}: written by an earlier attempt after step {step}, where this run starts; "
+        f"moved to {run_dir.superseded} so that auto-resume never returns to them",
+        flush=True,
+    )
+    return names
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_").removesuffix(".pt"))
 
 
 def load_file(path: str | Path) -> dict:

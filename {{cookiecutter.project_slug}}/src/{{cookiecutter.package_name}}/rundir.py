@@ -4,6 +4,7 @@ module asks, so no file name is spelled in two places.
     config.yaml            the resolved settings of the latest start
     metrics.jsonl          one record a line: log windows, evaluations, summaries (records.py)
     checkpoints/           step_00000500.pt ... (checkpoint.py), or step_00000500/ (sharded_checkpoint.py)
+      superseded/          an earlier attempt's checkpoints after the step a run started from
     tensorboard/           event files (run.tensorboard)
     profile/               torch.profiler traces (run.profile_steps)
     tracking/              the tracked-run id and what each tracker took (run.trackers)
@@ -54,6 +55,10 @@ class RunDir:
         """The complete checkpoints on disk, files and sharded directories, oldest first."""
         found = [p for p in self.checkpoints.glob(CHECKPOINT_GLOB) if p.suffix == ".pt" or p.is_dir()]
         return sorted(found, key=lambda path: (path.name.removesuffix(".pt"), path.suffix))
+
+    @property
+    def superseded(self) -> Path:
+        return self.checkpoints / "superseded"
 
     def partial_checkpoints(self) -> list[Path]:
         """Sharded checkpoints whose write (or removal) never finished: never loaded; the next save clears them."""

@@ -125,6 +125,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     if info.is_main:
         cfg.run_dir.root.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir.config)
+        checkpoint.set_aside_later(cfg.run_dir, job.state.step)
     if trackers is not None:
         job.state.tracked_run_id = trackers.start(cfg, info, resumed, job.state)
     with training_log(job, cfg, info, trackers) as log:
