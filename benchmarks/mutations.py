@@ -313,7 +313,7 @@ MUTANTS = [
         TRAIN,
         "            check_finite(window, cfg)\n",
         "",
-        slow=("tests/test_train.py::test_a_nan_between_log_steps_is_never_checkpointed_and_a_rerun_resumes_before_it",),
+        slow=("tests/test_train.py::test_non_finite_loss_stops_every_rank_with_advice",),
     ),
     Mutant(
         "Adam moments left out of the memory estimate",

@@ -89,17 +89,8 @@ def straight_run(tmp_path_factory) -> StraightRun:
 
 @pytest.mark.task
 def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, straight_run):
-    crashed = faulty_run(tmp_path, *straight_run.overrides, FAULT="crash", FAULT_RANK="1", FAULT_STEP="15")
-    assert crashed.returncode != 0 and "injected crash in step 15" in crashed.stderr
-    resumed = torchrun(*train_args(tmp_path, *straight_run.overrides), timeout=180)
-    assert "resumed from" in resumed.stdout and "step_00000010.pt at step 10" in resumed.stdout
-    result = final_state(tmp_path / "smoke", straight_run.steps)
-    for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
-        assert_bit_identical(result[part], straight_run.state[part], part)
-
-
-@pytest.mark.slow
-def test_torchrun_restart_after_a_worker_failure_resumes_and_matches(tmp_path, straight_run):
+    # rank 1 crashes in step 15 and torchrun restarts the workers (--max-restarts=1), as on a
+    # cluster: they auto-resume from step 10's checkpoint as a rerun by hand would
     once = tmp_path / "failed-once"
     result = faulty_run(
         tmp_path,
@@ -108,13 +99,15 @@ def test_torchrun_restart_after_a_worker_failure_resumes_and_matches(tmp_path, s
         timeout=240,
         FAULT="crash",
         FAULT_RANK="1",
-        FAULT_STEP="25",
+        FAULT_STEP="15",
         FAULT_ONCE=str(once),
     )
-    assert result.returncode == 0, result.stderr
-    assert once.exists() and "step_00000020.pt at step 20" in result.stdout
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert once.exists() and "injected crash in step 15" in result.stderr, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "step_00000010.pt at step 10" in result.stdout
     final = final_state(tmp_path / "smoke", straight_run.steps)
-    assert_bit_identical(final["model"], straight_run.state["model"], "model")
+    for part in ("model", "optimizer", "scheduler", "scaler", "step", "epoch"):
+        assert_bit_identical(final[part], straight_run.state[part], part)
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int | None:
