@@ -226,7 +226,7 @@ STOP_POINTS = {
 }
 # each point is stopped this many times, each time by the next of INT, TERM and HUP; before a
 # release, or after a change to how pack ends, run more: PACK_STOP_ROUNDS=9
-PACK_STOP_ROUNDS = int(os.environ.get("PACK_STOP_ROUNDS", "2"))
+PACK_STOP_ROUNDS = int(os.environ.get("PACK_STOP_ROUNDS", "1"))
 
 
 @pytest.mark.slow
