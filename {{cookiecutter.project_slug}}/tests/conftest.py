@@ -73,18 +73,27 @@ def project_env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a hang's report holds each process's Python stack
     env.update(extra)
     return env
 
 
 def run(command: list[str], timeout: float = 120, env: dict | None = None, check: bool = True):
-    """Run a command from the project root; a hang fails the test instead of the CI job."""
-    result = subprocess.run(
-        command, cwd=PROJECT, env=env or project_env(), capture_output=True, text=True, timeout=timeout
+    """Run a command from the project root; a hang fails the test instead of the CI job, and says
+    where every process of the launch was."""
+    process = subprocess.Popen(
+        command,
+        cwd=PROJECT,
+        env=env or project_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
-    if check and result.returncode != 0:
-        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
+    ((returncode, stdout, stderr),) = finish([process], timeout)
+    if check and returncode != 0:
+        raise AssertionError(f"{command} exited {returncode}\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, returncode, stdout, stderr)
 
 
 def torchrun(*args: str, nproc: int = 2, launcher: tuple[str, ...] = (), **kwargs):
@@ -122,19 +131,39 @@ def train_losses(run_dir: Path) -> list[float]:
 
 def finish(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
     """(exit code, stdout, stderr) of each process started with start_new_session, all within
-    `timeout`; then every process of their sessions is killed, so none outlives the test."""
+    `timeout`; then every process of their sessions is killed, so none outlives the test. One still
+    running at the deadline fails the test with each process's Python stack (SIGABRT makes
+    faulthandler print them: PYTHONFAULTHANDLER is set by project_env) and the output so far."""
     deadline = time.monotonic() + timeout
     try:
         results = []
         for process in processes:
-            stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(hang_report(process, timeout)) from None
             results.append((process.returncode, stdout, stderr))
         return results
     finally:
         for process in processes:
-            for pid in [process.pid, *descendants(process.pid)]:  # torchrun runs in a session of its own
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_session(process, signal.SIGKILL)
+
+
+def kill_session(process: subprocess.Popen, sig: int) -> None:
+    for pid in [process.pid, *descendants(process.pid)]:  # torchrun runs in a session of its own
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def hang_report(process: subprocess.Popen, timeout: float) -> str:
+    kill_session(process, signal.SIGABRT)
+    try:
+        stdout, stderr = process.communicate(timeout=10)
+    except subprocess.TimeoutExpired:  # a child that still holds the pipes open
+        kill_session(process, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    command = " ".join(str(part) for part in process.args)
+    return f"still running after {timeout:.0f} s: {command}\n{stdout[-20000:]}\n{stderr[-40000:]}"
 
 
 def wait_for(predicate, timeout: float) -> None:
