@@ -45,6 +45,43 @@ def test_samplers_and_loader_settings():
     assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 2
 
 
+@pytest.mark.parametrize(
+    ("version", "hangs"),
+    [((3, 10, 12), True), ((3, 10, 15), False), ((3, 11, 7), True), ((3, 11, 10), False), ((3, 12, 0), False)],
+)
+def test_fork_can_hang_on_the_pythons_before_the_fix_of_cpython_gh_112275(version, hangs):
+    assert loaders.fork_can_hang(version) == hangs
+
+
+def test_loader_workers_start_as_data_worker_start_says(monkeypatch):
+    for start in ("fork", "forkserver", "spawn"):
+        train, evaluation = build(0, 2, f"data.worker_start={start}", workers=2)
+        assert train.multiprocessing_context.get_start_method() == start
+        assert evaluation.multiprocessing_context.get_start_method() == start
+        assert loaders.describe_workers(train) == f"2, started by {start}"
+    cfg = config.load(SMOKE_CONFIG)
+    monkeypatch.setattr(loaders.sys, "platform", "linux")
+    for hangs, started in ((False, None), (True, "forkserver")):  # auto: fork, Linux's default, unless it can hang
+        monkeypatch.setattr(loaders, "fork_can_hang", lambda hangs=hangs: hangs)
+        train, _ = build(0, 2, workers=2)
+        assert (train.multiprocessing_context.get_start_method() if hangs else train.multiprocessing_context) == started
+        assert (loaders.worker_start_note(cfg, train) is not None) == hangs  # start-up says why
+    assert build(0, 2, "data.worker_start=spawn")[0].multiprocessing_context is None  # no workers: nothing starts
+
+
+@pytest.mark.slow
+def test_forkserver_workers_load_the_batches_forked_workers_load():
+    """The datasets reach a forkserver's workers pickled: the same batches, in the same order."""
+    batches = {}
+    for start in ("fork", "forkserver"):
+        train, evaluation = build(0, 2, f"data.worker_start={start}", workers=2)
+        train.sampler.set_epoch(1)
+        batches[start] = [batch for loader in (train, evaluation) for batch in loader]
+    assert len(batches["fork"]) == len(batches["forkserver"])
+    for forked, served in zip(batches["fork"], batches["forkserver"], strict=True):
+        torch.testing.assert_close(forked, served, rtol=0, atol=0)
+
+
 def test_cuda_loaders_pin_memory_for_non_blocking_copies():
     cfg = config.load(SMOKE_CONFIG)
     cuda_info = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")

@@ -35,6 +35,7 @@ LrScaling = Literal["auto", "linear", "sqrt", "none"]
 OptimizerName = Literal["adamw", "sgd", "adafactor", "task"]
 Schedule = Literal["cosine", "linear", "constant", "wsd", "step", "task"]
 ShardsOrder = Literal["chunks", "shuffle"]
+WorkerStart = Literal["auto", "fork", "forkserver", "spawn"]
 Strategy = Literal["ddp", "fsdp"]
 Checkpointing = Literal["none", "full", "selective"]
 
@@ -110,6 +111,7 @@ class DataConfig:
     num_workers: Workers = "auto"  # loader workers per rank; auto: the rank's share of CPUs - 1, capped
     max_workers: PositiveInt = 8  # cap for num_workers=auto
     prefetch_factor: PositiveInt = 2  # batches each worker prepares ahead (only with workers > 0)
+    worker_start: WorkerStart = "auto"  # auto: fork, or forkserver where this Python's fork can hang a worker
     shards: ShardsLocation = None  # packed shards (the pack command): a folder or s3:// URL; null: build_datasets
     shards_order: ShardsOrder = "chunks"  # chunks: chunk by chunk, one open a chunk; shuffle: build_datasets' order
     shards_cache: str | None = None  # node-local folder caching s3:// shards; null: $TMPDIR/<project>-shards-<uid>

@@ -6,6 +6,8 @@ Nothing here knows the task: the datasets come from the seam (`build_datasets`, 
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +56,35 @@ def train_sampler(train_set: Dataset, cfg: Config, world_size: int, rank: int):
     return ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
 
 
+# Releases that fixed CPython gh-112275: before them, a forked child can wait forever for the lock
+# of the interpreter's thread list when another thread held it at the fork. gloo's threads take it
+# whenever they release a finished collective's tensors, so a loader worker forked just after a
+# collective (the eval loader's, at the first evaluation) can hang, and its rank with it.
+FORK_HANG_FIXED_IN = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}  # 3.12 never had it
+
+
+def fork_can_hang(version=sys.version_info) -> bool:
+    fixed = FORK_HANG_FIXED_IN.get(tuple(version[:2]))
+    return fixed is not None and version[2] < fixed
+
+
+def worker_start(cfg: Config) -> str | None:
+    """How loader workers start (data.worker_start); None: the platform's default, fork on Linux,
+    which shares the dataset with the workers instead of pickling it to each."""
+    if cfg.data.worker_start != "auto":
+        return cfg.data.worker_start
+    return "forkserver" if sys.platform == "linux" and fork_can_hang() else None
+
+
+def worker_context(start: str | None):
+    if start is None:
+        return None
+    context = multiprocessing.get_context(start)
+    if start == "forkserver":  # the server imports torch and the project once; each worker forks from it
+        context.set_forkserver_preload([__name__])
+    return context
+
+
 def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: DistInfo, num_workers: int):
     """(train loader, eval loader); the train sampler is `train_loader.sampler`."""
     sampler = train_sampler(train_set, cfg, info.world_size, info.rank)
@@ -66,11 +97,33 @@ def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: Dist
         persistent_workers=num_workers > 0,
         worker_init_fn=quiet_loader_worker,  # SLURM signals every process of the step; the rank handles it
         prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,
+        multiprocessing_context=worker_context(worker_start(cfg)) if num_workers > 0 else None,
     )
     # drop_last on the loader too: every rank runs the same number of full-size steps
     train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, generator=own_rng(cfg, info), **common)
     eval_loader = DataLoader(eval_set, sampler=eval_sampler, drop_last=False, generator=own_rng(cfg, info), **common)
     return train_loader, eval_loader
+
+
+def describe_workers(loader: DataLoader) -> str:
+    """The start-up line's count of a loader's workers, and how they start when not by fork."""
+    context = loader.multiprocessing_context
+    started = context.get_start_method() if loader.num_workers and context is not None else None
+    return f"{loader.num_workers}" + (f", started by {started}" if started else "")
+
+
+def worker_start_note(cfg: Config, loader: DataLoader) -> str | None:
+    """Why data.worker_start=auto chose a forkserver, when it did."""
+    if cfg.data.worker_start != "auto" or not loader.num_workers or loader.multiprocessing_context is None:
+        return None
+    major, minor, micro = sys.version_info[:3]
+    fixed = FORK_HANG_FIXED_IN.get((major, minor))
+    safe = f"Python {major}.{minor}.{fixed} or 3.12" if fixed else "Python 3.12"
+    return (
+        f"note: loader workers start from a forkserver, which pickles the datasets to each worker: Python "
+        f"{major}.{minor}.{micro} can hang a worker forked while a gloo thread takes an interpreter lock (CPython "
+        f"gh-112275); {safe} forks them safely, and data.worker_start=fork forks them here anyway"
+    )
 
 
 def own_rng(cfg: Config, info: DistInfo) -> torch.Generator:

@@ -456,13 +456,14 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"{cfg.optim.name} optimizer, {cfg.train.schedule} schedule, warmup {warmup:.1%} of "
         f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
-        f"{cfg.train.activation_checkpointing}, loader workers per rank {job.train_loader.num_workers}\n"
+        f"{cfg.train.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}\n"
         f"parameters {params:,}; {memory_line(cfg, info, job.model)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
-    note = hardware.precision_note(cfg.train.precision, info.device)
-    if note:
-        dist.print0(info, note)
+    notes = hardware.precision_note(cfg.train.precision, info.device), loaders.worker_start_note(cfg, job.train_loader)
+    for note in notes:
+        if note:
+            dist.print0(info, note)
 
 
 def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
