@@ -3,6 +3,9 @@
 #
 # Elastic c10d rendezvous (no node ranks; a failed worker restarts every node's workers):
 #   NNODES=2 RDZV_ENDPOINT=10.0.0.1:29622 RDZV_ID=exp1 scripts/train_multinode.sh [overrides...]
+# Elastic range: NNODES=1:4 goes on with the nodes left when one is lost (after a restart, the
+# rendezvous waits RDZV_CONF=last_call_timeout=<s>, 30 by default, for more) and resumes the newest
+# checkpoint on the new world size with the global batch kept.
 # Static master (every node gets the same MASTER_ADDR/MASTER_PORT, its own NODE_RANK; no restarts):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 scripts/train_multinode.sh [overrides...]
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 scripts/train_multinode.sh [overrides...]
@@ -18,7 +21,8 @@ source "$(dirname "$0")/common.sh"
 : "${NNODES:?set NNODES to the number of nodes}"
 if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
   rendezvous=(--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
-    --rdzv-id="${RDZV_ID:?set RDZV_ID, the same on every node}" --max-restarts="${MAX_RESTARTS:-3}")
+    --rdzv-id="${RDZV_ID:?set RDZV_ID, the same on every node}" --max-restarts="${MAX_RESTARTS:-3}"
+    ${RDZV_CONF:+--rdzv-conf="$RDZV_CONF"})
 else
   : "${NODE_RANK:?set NODE_RANK (0 on the master node) or RDZV_ENDPOINT for c10d rendezvous}"
   : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"

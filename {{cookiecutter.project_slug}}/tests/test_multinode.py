@@ -1,9 +1,11 @@
 """Two "nodes" on loopback: two scripts/train_multinode.sh processes, one CPU rank each, c10d
 rendezvous. A worker killed on one node must make both nodes re-form and resume (each node's
 torchrun counts restarts on its own, and a node that only saw the other rejoin counts none);
-a stop on one node must checkpoint every node and end both, not leave one restarting."""
+a stop on one node must checkpoint every node and end both, not leave one restarting; with an
+elastic range (NNODES=1:2) a node lost for good leaves the other to go on alone."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,7 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, SMOKE_CONFIG, finish, newest_checkpoint, project_env, train_losses, wait_for
+from conftest import (
+    PROJECT,
+    SMOKE_CONFIG,
+    finish,
+    kill_session,
+    newest_checkpoint,
+    project_env,
+    train_losses,
+    wait_for,
+)
 
 from {{ cookiecutter.package_name }} import checkpoint, preemption
 from {{ cookiecutter.package_name }}.tools import launch
@@ -28,30 +39,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_nodes(tmp_path: Path, *overrides: str, max_restarts: int = 0) -> list[subprocess.Popen]:
+def start_nodes(
+    tmp_path: Path, *overrides: str, max_restarts: int = 0, nnodes: str = "2", rdzv_conf: str = ""
+) -> list[subprocess.Popen]:
+    """Two nodes; the first hosts the rendezvous (both match its loopback address, and the first
+    to listen on the port hosts it), so the second is the one a test may lose for good."""
+    port = free_port()
     env = project_env(
-        NNODES="2",
+        NNODES=nnodes,
         NPROC_PER_NODE="1",
         CUDA_VISIBLE_DEVICES="",
         GLOO_SOCKET_IFNAME="lo",
-        RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+        RDZV_ENDPOINT=f"127.0.0.1:{port}",
         RDZV_ID="loopback",
         MAX_RESTARTS=str(max_restarts),
+        RDZV_CONF=rdzv_conf,
     )
     command = ["bash", "scripts/train_multinode.sh", "--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}"]
     command.append("data.num_workers=0")  # fewer processes to start on each (re)start: the test stays short
-    return [
-        subprocess.Popen(
-            [*command, *overrides],
-            cwd=PROJECT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+    nodes = []
+    for _ in range(2):
+        nodes.append(
+            subprocess.Popen(
+                [*command, *overrides],
+                cwd=PROJECT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
         )
-        for _ in range(2)
-    ]
+        if len(nodes) == 1:
+            wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=30)
+    return nodes
 
 
 def worker_of(node: subprocess.Popen) -> int:
@@ -93,3 +114,29 @@ def test_a_stop_on_one_node_checkpoints_every_node_and_ends_both(tmp_path):
     step = int(saved.removeprefix("step_").removesuffix(".pt"))
     assert any(f"preempted at step {step}: checkpoint written" in stdout for _, stdout, _ in results)
     assert len(train_losses(tmp_path / "smoke")) >= 1
+
+
+def test_an_elastic_run_that_loses_a_node_goes_on_with_the_other_and_keeps_the_global_batch(tmp_path):
+    nodes = start_nodes(
+        tmp_path,
+        "train.max_steps=20",
+        "checkpoint.every_steps=5",
+        max_restarts=2,
+        nnodes="1:2",
+        rdzv_conf="last_call_timeout=2",  # after the restart, wait 2 s (not 30) for a node that may come back
+    )
+    try:
+        wait_for(lambda: newest_checkpoint(tmp_path / "smoke") is not None, timeout=40)
+        lost = time.monotonic()
+        kill_session(nodes[1], signal.SIGKILL)  # its launcher, torchrun and rank: the machine is gone
+    finally:
+        results = finish(nodes, timeout=60)
+    code, stdout, stderr = results[0]
+    assert code == 0, stderr[-5000:]
+    assert time.monotonic() - lost < 50
+    resumed = re.search(r"resumed on 1 rank from a 2-rank checkpoint: batch (\d+) x 1 x accum (\d+)", stdout)
+    assert resumed and "keeps the global batch 32" in stdout, stdout[-3000:]  # smoke: 16 a rank on 2 ranks
+    assert "settings changed" not in stdout  # the new split is the run's doing, not a change of the user's
+    assert "done: 20 steps" in stdout
+    final = checkpoint.load_file(tmp_path / "smoke" / "checkpoints" / "step_00000020.pt")
+    assert final["step"] == 20 and final["world_size"] == 1

@@ -422,10 +422,19 @@ def choose(run_dir: RunDir, setting: str, info: DistInfo) -> tuple[Path | None, 
         raise ConfigError(f"checkpoint.resume: {err}") from None
 
 
-def restore(model: nn.Module, state: TrainState, chosen: Path, payload: dict, info: DistInfo, config: dict) -> None:
+def restore(
+    model: nn.Module,
+    state: TrainState,
+    chosen: Path,
+    payload: dict,
+    info: DistInfo,
+    config: dict,
+    asked: dict | None = None,
+) -> None:
     """The weights and `state` of the chosen checkpoint, whatever the strategy and world size that
-    wrote it; the epoch goes on with the samples it has not read yet. Settings that differ from the
-    checkpoint's `config` are listed in a note."""
+    wrote it; the epoch goes on with the samples it has not read yet. `config` is the run's, `asked`
+    the settings as given (default: `config`), before another world size split the global batch
+    anew: those that differ from the checkpoint's are listed in a note."""
     mismatch = model_mismatch(dist.bare(model), payload["model_shapes"] if payload.get("sharded") else payload["model"])
     if mismatch:
         raise ConfigError(
@@ -441,7 +450,7 @@ def restore(model: nn.Module, state: TrainState, chosen: Path, payload: dict, in
         load_full_state(model, state.optimizer, payload)
     state.load_state_dict(payload)
     state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])
-    changes = changed_settings(payload["config"], config)
+    changes = changed_settings(payload["config"], config if asked is None else asked)
     if changes:
         dist.print0(
             info,

@@ -108,13 +108,13 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     if problem:
         raise ConfigError(problem)
     resumed, saved = checkpoint.choose(cfg.run_dir, cfg.checkpoint.resume, info)
-    batch_line = None
+    batch_line, asked = None, config.to_dict(cfg)
     if saved is not None:  # before build: another world size keeps the global batch with another split
         cfg, batch_line = elastic.keep_global_batch(cfg, saved, info.world_size)
     job = build(cfg, info)
     if resumed:
         peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # train.lr scaled to this run's global batch
-        checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg))
+        checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg), asked)
         elastic.rescale_lr(job.state, peak_lr)
         del saved  # the whole state of a big model: not kept for the run's length
     if batch_line:
