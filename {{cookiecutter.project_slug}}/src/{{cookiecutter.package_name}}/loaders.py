@@ -57,9 +57,10 @@ def train_sampler(train_set: Dataset, cfg: Config, world_size: int, rank: int):
 
 
 # Releases that fixed CPython gh-112275: before them, a forked child can wait forever for the lock
-# of the interpreter's thread list when another thread held it at the fork. gloo's threads take it
-# whenever they release a finished collective's tensors, so a loader worker forked just after a
-# collective (the eval loader's, at the first evaluation) can hang, and its rank with it.
+# of the interpreter's thread list when another thread held it at the fork. The process group's
+# threads take it when they release a finished collective's tensors (seen with gloo), so a loader
+# worker forked just after a collective (the eval loader's, at the first evaluation) can hang, and
+# its rank with it.
 FORK_HANG_FIXED_IN = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}  # 3.12 never had it
 
 
@@ -121,8 +122,8 @@ def worker_start_note(cfg: Config, loader: DataLoader) -> str | None:
     safe = f"Python {major}.{minor}.{fixed} or 3.12" if fixed else "Python 3.12"
     return (
         f"note: loader workers start from a forkserver, which pickles the datasets to each worker: Python "
-        f"{major}.{minor}.{micro} can hang a worker forked while a gloo thread takes an interpreter lock (CPython "
-        f"gh-112275); {safe} forks them safely, and data.worker_start=fork forks them here anyway"
+        f"{major}.{minor}.{micro} can hang a worker forked while a communication thread holds an interpreter lock "
+        f"(CPython gh-112275); {safe} forks them safely, and data.worker_start=fork forks them here anyway"
     )
 
 
