@@ -1,10 +1,8 @@
 """`tools.export`: weights that load for inference without this project, as .pt or safetensors."""
 
-import sys
-
 import pytest
 import torch
-from conftest import PACKAGE, SMOKE_CONFIG, run, torchrun, train_args
+from conftest import SMOKE_CONFIG
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -127,6 +125,8 @@ def world_of_one():
 
 
 def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_path, world_of_one):
+    # a real compiled 2-rank run's checkpoint is resumed by the compile=True project's Kubernetes
+    # drill, which a leaked prefix would stop with the model-mismatch error
     cfg = config.load(SMOKE_CONFIG, ["train.compile=true"])
     raw = build_model(cfg)
     compiled = train.wrap(raw, cfg, INFO)  # compile only: a world of one gets no DDP from wrap
@@ -140,16 +140,3 @@ def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_p
     build_model(cfg).load_state_dict(weights)
     trained = wrapped.state_dict()
     assert all(torch.equal(v, trained[f"module._orig_mod.{k}"]) for k, v in weights.items())
-
-
-@pytest.mark.slow
-def test_a_compiled_two_rank_run_exports_weights_that_load_strictly(tmp_path):
-    result = torchrun(*train_args(tmp_path, "train.compile=true", "train.max_steps=3", "run.name=c"), timeout=600)
-    assert "compile True" in result.stdout
-    saved = tmp_path / "c" / "checkpoints" / "step_00000003.pt"
-    run([sys.executable, "-m", f"{PACKAGE}.tools.export", str(saved), str(tmp_path / "m.safetensors")])
-    weights = load_file(tmp_path / "m.safetensors")
-    assert not any(k.startswith(WRAPPER_PREFIXES) for k in weights)
-    build_model(config.load(tmp_path / "c" / "config.yaml")).load_state_dict(weights)
-    trained = checkpoint.load_file(saved)["model"]
-    assert all(torch.equal(weights[k], v) for k, v in trained.items())
