@@ -1,12 +1,15 @@
 """Samplers, per-epoch order, equal lengths, per-rank worker sizing, batch plumbing."""
 
+import functools
+
 import pytest
 import torch
 from conftest import SMOKE_CONFIG
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import Dataset, DistributedSampler, Subset
 
-from {{ cookiecutter.package_name }} import config, cpus, loaders, samples, task
+from {{ cookiecutter.package_name }} import config, cpus, loaders, preflight, samples, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.model import build_model
 
 
 def info(rank=0, world=2, local_world=2):
@@ -67,6 +70,32 @@ def test_loader_workers_start_as_data_worker_start_says(monkeypatch):
         assert (train.multiprocessing_context.get_start_method() if hangs else train.multiprocessing_context) == started
         assert (loaders.worker_start_note(cfg, train) is not None) == hangs  # start-up says why
     assert build(0, 2, "data.worker_start=spawn")[0].multiprocessing_context is None  # no workers: nothing starts
+
+
+class WithALambda(Dataset):
+    def __init__(self, dataset: Dataset):
+        self.dataset, self.transform = dataset, lambda sample: sample
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        return self.transform(self.dataset[index])
+
+
+def test_a_dataset_that_does_not_pickle_for_its_workers_is_one_line_naming_the_way_out():
+    train_set, eval_set = task.build_datasets(config.load(SMOKE_CONFIG))
+    for start in ("forkserver", "spawn", "fork"):
+        cfg = config.load(SMOKE_CONFIG, [f"data.worker_start={start}"])
+        for dataset in (train_set, WithALambda(train_set)):  # the task's tensors pickle (their data is not copied)
+            train_loader, eval_loader = loaders.build_loaders(dataset, eval_set, cfg, info(0, 2), num_workers=2)
+            check = functools.partial(preflight.check_task, build_model(cfg), (dataset, train_loader))
+            if dataset is train_set or start == "fork":  # fork shares the dataset: nothing to pickle
+                check((eval_set, eval_loader))
+                continue
+            with pytest.raises(preflight.TaskError, match="the train set does not pickle") as failed:
+                check((eval_set, eval_loader))
+            assert f"start by {start}" in str(failed.value) and str(failed.value).endswith("data.worker_start=fork")
 
 
 @pytest.mark.slow

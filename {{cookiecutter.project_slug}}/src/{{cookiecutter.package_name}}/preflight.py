@@ -10,8 +10,12 @@ seam function, what it got and what was expected.
 
 from __future__ import annotations
 
+import io
 import math
+import multiprocessing
+import pickle
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -30,6 +34,8 @@ class TaskError(ConfigError):
 
 
 def check_task(model: nn.Module, train: tuple[Dataset, DataLoader], evaluation: tuple[Dataset, DataLoader]) -> None:
+    _check_workers_can_take("train", *train)
+    _check_workers_can_take("eval", *evaluation)
     was_training = model.training
     model.eval()
     try:
@@ -39,6 +45,29 @@ def check_task(model: nn.Module, train: tuple[Dataset, DataLoader], evaluation: 
             _check_eval(model, _batch("eval", *evaluation))
     finally:
         model.train(was_training)
+
+
+def _check_workers_can_take(name: str, dataset: Dataset, loader: DataLoader) -> None:
+    """Loader workers that do not start by fork get the dataset pickled: one that does not pickle
+    is one line here, not a traceback from the first batch."""
+    start = (loader.multiprocessing_context or multiprocessing).get_start_method()
+    if not loader.num_workers or start == "fork":
+        return
+    try:
+        _WithoutData(io.BytesIO()).dump(dataset)
+    except Exception as err:
+        raise TaskError(
+            f"build_datasets(cfg): the {name} set does not pickle ({_error(err)}), and this run's loader workers "
+            f"start by {start}, which pickles it to each of them; make it picklable (no lambda or open file in "
+            "it), or pass data.worker_start=fork"
+        ) from err
+
+
+class _WithoutData(pickle.Pickler):
+    """Pickles all but the data of tensors and arrays (those pickle, and may be large)."""
+
+    def persistent_id(self, obj):
+        return id(obj) if isinstance(obj, (torch.Tensor, np.ndarray)) else None
 
 
 def _batch(name: str, dataset: Dataset, loader: DataLoader):
