@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -152,6 +153,8 @@ def finish(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int,
 def kill_session(process: subprocess.Popen, sig: int) -> None:
     for pid in [process.pid, *descendants(process.pid)]:  # torchrun runs in a session of its own
         with contextlib.suppress(ProcessLookupError):
+            if sig == signal.SIGABRT:
+                resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))  # the stacks, not a core file each
             os.kill(pid, sig)
 
 
