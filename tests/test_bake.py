@@ -93,7 +93,6 @@ PACKAGE_FILES = {
     "shards.py",
     "task.py",
     "tensorboard.py",
-    "tracker_worker.py",
     "tracking.py",
     "train.py",
     "tools/__init__.py",

@@ -1,20 +1,23 @@
 """W&B and MLflow (run.trackers): one tracked run per training run, on global rank 0 only, and
 never a reason for training to stop.
 
-The fast tests check the settings, the tracked-run id and a tracker that stops answering. The
+The fast tests check the settings, the tracked-run id and the records each tracker is sent. The
 slow ones train on 2 ranks against real stores, all offline: MLflow on a SQLite file, W&B in
-offline mode. W&B has no reader for its offline files, so `wandb_history` reads them itself:
+offline mode; and hang a real store (a locked SQLite file, W&B's stopped service process). W&B
+has no reader for its offline files, so `wandb_history` reads them itself:
 the file is a sequence of W&B's protobuf `Record`s in LevelDB's log framing (7-byte header,
 32 KiB blocks); the test checks the run record's id and config, and every history row's step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import signal
 import socket
+import sqlite3
 import struct
 import subprocess
 import time
@@ -35,7 +38,7 @@ from conftest import (
     wait_for,
 )
 
-from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, tracker_worker, tracking
+from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, tracking
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 from {{ cookiecutter.package_name }}.rundir import RunDir
@@ -76,35 +79,42 @@ def test_only_global_rank_0_starts_trackers(tmp_path):
     cfg = config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}", "run.trackers=[wandb, mlflow]"])
     rank_1, trackers = DistInfo(1, 0, 2, 1, torch.device("cpu"), "gloo"), tracking.Trackers()
     assert trackers.start(cfg, rank_1, None, SimpleNamespace(tracked_run_id="kept", step=0)) == "kept"
-    assert trackers.processes == [] and not (tmp_path / "smoke" / "tracking").exists()
+    assert trackers.trackers == [] and not (tmp_path / "smoke" / "tracking").exists()
 
 
-def test_a_resumed_start_sends_each_tracker_what_it_missed_up_to_the_checkpoint(tmp_path):
+def test_a_resumed_start_sends_each_tracker_the_timelines_records_it_never_took(tmp_path):
     run_dir = RunDir(tmp_path / "a")
     lines = [{"kind": "train", "step": s, "start_step": 0, "elapsed_s": s, "loss": 1.0} for s in (5, 10, 15, 20)]
     lines.append({"kind": "eval", "step": 20, "eval_loss": 1.0})
     lines += [{"kind": "train", "step": s, "start_step": 10, "elapsed_s": s, "loss": 0.5} for s in (15, 20, 25)]
     run_dir.root.mkdir()
     run_dir.metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sent = tracking.timeline_up_to(run_dir, 20)  # the attempt that resumed at 10 went to 25
+    assert [(r["step"], r["loss"]) for r in sent] == [(5, 1.0), (10, 1.0), (15, 0.5), (20, 0.5)]  # its train records
+    assert tracking.timeline_up_to(run_dir, 0) == []  # a fresh start: none
     tracking.taken_file(run_dir, "mlflow", "x").parent.mkdir()
     tracking.taken_file(run_dir, "mlflow", "x").write_text(json.dumps({"train": 5}))
-    missed = tracking.missed(run_dir, "mlflow", "x", first_step=20)  # the attempt that resumed at 10 went to 25
-    assert [(r["step"], r["loss"]) for r in missed] == [(10, 1.0), (15, 0.5), (20, 0.5)]  # the timeline's train
-    assert [r["step"] for r in tracking.missed(run_dir, "wandb", "x", first_step=10)] == [5, 10]  # never took any
+    start = {"run_dir": str(run_dir.root), "id": "x", "timeout": 5, "params": {}}
+    tracker, service = tracking.Tracker("mlflow", start, Recording), Recording({})
+    tracker.log(service, sent)
+    assert service.sent == [("metrics", [10, 15, 20])]  # not step 5, which it took before
 
 
 def test_settings_become_flat_params():
-    params = tracker_worker.flat({"config": {"train": {"lr": 0.001, "compile": False}, "run": {"name": "a"}}})
+    params = tracking.flat({"config": {"train": {"lr": 0.001, "compile": False}, "run": {"name": "a"}}})
     assert params == {"config.train.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
 
 
-class Recording(tracker_worker.Tracker):
-    """A tracker that keeps what it is sent, in order."""
+def test_the_names_the_settings_accept_are_the_trackers_there_are():
+    assert set(config.TRACKERS) == set(tracking.SERVICES)
 
-    NAME = "recording"
+
+class Recording:
+    """A tracker service that keeps what it is sent, in order."""
+
+    note = "recording"
 
     def __init__(self, start: dict):
-        super().__init__(start)
         self.sent = []
 
     def metrics(self, rows):
@@ -113,36 +123,37 @@ class Recording(tracker_worker.Tracker):
     def summary(self, values, step):
         self.sent.append(("summary", step))
 
+    def finish(self, status, checkpoint):
+        self.sent.append(("finish", status))
+
 
 def test_a_batch_of_records_goes_out_in_order_in_one_call_without_the_steps_already_taken(tmp_path):
-    tracker = Recording({"run_dir": str(tmp_path), "id": "x"})
-    tracker.log([{"kind": "train", "step": 5, "loss": 1.0}])
+    start = {"run_dir": str(tmp_path), "id": "x", "timeout": 5, "params": {}}
+    tracker, service = tracking.Tracker("recording", start, Recording), Recording({})
+    tracker.log(service, [{"kind": "train", "step": 5, "loss": 1.0}])
     replayed_and_new = [{"kind": "train", "step": step, "loss": 1.0} for step in (5, 10, 15)]
     end = [{"kind": "eval", "step": 15, "eval_loss": 1.0}, {"kind": "summary", "step": 15, "summary": {"steps": 15}}]
-    tracker.log(replayed_and_new + end)
-    assert tracker.sent == [("metrics", [5]), ("metrics", [10, 15, 15]), ("summary", 15)]
+    tracker.log(service, replayed_and_new + end)
+    assert service.sent == [("metrics", [5]), ("metrics", [10, 15, 15]), ("summary", 15)]
     assert json.loads((tmp_path / "tracking" / "recording-x.json").read_text()) == {"train": 15, "eval": 15}
 
 
-def test_a_tracker_that_stops_answering_is_dropped_with_one_warning_and_never_waited_on(tmp_path, capsys):
-    """A hang of the tracker itself, not a patched library: its process is stopped (SIGSTOP)
-    before it reads its first message, so it never imports or calls anything."""
-    process = tracking.TrackerProcess("mlflow", timeout=0.5)
-    os.kill(process.process.pid, signal.SIGSTOP)
-    process.call("start", "start", run_dir=str(tmp_path))
-    time.sleep(0.6)
-    began = time.monotonic()
-    for step in (10, 20):
-        process.call("log", f"the train record of step {step}", record={"kind": "train", "step": step})
-    process.finish("finished", None)
-    process.wait(deadline=time.monotonic() + 10)
-    assert time.monotonic() - began < 0.5  # dropped: nothing more is waited for
-    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].startswith(
-        "warning: tracker mlflow dropped: no answer to start within run.tracker_timeout_s=0.5 s (MLflow at "
-    )
-    assert warnings[0].endswith("; training goes on without it (metrics.jsonl keeps every record)")
-    assert process.process.poll() is not None  # killed, not left behind
+def test_a_tracker_is_sent_every_record_and_the_run_end_on_a_thread_of_its_own(tmp_path, capsys):
+    started = []
+
+    def service(start):
+        started.append(Recording(start))
+        return started[-1]
+
+    tracker = tracking.Tracker("recording", {"run_dir": str(tmp_path), "id": "x", "timeout": 5, "params": {}}, service)
+    for step in (5, 10):
+        tracker.send({"kind": "train", "step": step, "loss": 1.0})
+    tracker.send(("finished", None))
+    assert tracker.wait(deadline=time.monotonic() + 10) and not tracker.dropped
+    (recording,) = started
+    assert [step for kind, steps in recording.sent if kind == "metrics" for step in steps] == [5, 10]
+    assert recording.sent[-1] == ("finish", "finished")
+    assert "tracker recording: recording" in capsys.readouterr().err
 
 
 def free_port() -> int:
@@ -339,64 +350,70 @@ def test_failing_trackers_warn_once_each_and_training_finishes_with_exit_0(tmp_p
 
 @needs_mlflow
 @pytest.mark.slow
-def test_a_tracker_that_hangs_mid_run_is_dropped_and_the_run_ends_on_time(tmp_path, capsys, monkeypatch):
-    """MLflow answers its start and first record, then its process stops (SIGSTOP): a log call
-    that never returns, as a stalled server or a locked SQLite file on NFS would leave it."""
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    process = tracking.TrackerProcess("mlflow", timeout=60)
-    facts = {"id": "hang", "name": "smoke", "project": "hangs", "run_dir": str(tmp_path), "timeout": 60}
-    process.call("start", "start", **facts, root=str(PROJECT), config={}, facts={})
-    process.call("log", "the train record of step 5", record={"kind": "train", "step": 5, "loss": 1.0})
-    wait_for(lambda: not process.unanswered or process.failure, timeout=60)  # started and logging
-    assert process.failure is None
-    os.kill(process.process.pid, signal.SIGSTOP)
-    process.timeout = 1.0
-    process.call("log", "the train record of step 10", record={"kind": "train", "step": 10, "loss": 0.5})
-    began = time.monotonic()
-    process.finish("finished", None)
-    process.wait(deadline=time.monotonic() + 30)
-    assert time.monotonic() - began < 2.5
-    assert "warning: tracker mlflow dropped: no answer to the train record of step 10 within" in capsys.readouterr().err
-
-
-@needs_mlflow
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the tracker's process in /proc")
-def test_when_rank_0_is_killed_its_tracker_marks_the_run_failed_and_exits(tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    job = launch(tmp_path, "run.trackers=[mlflow]", "train.epochs=200", MLFLOW_TRACKING_URI=store)
+def test_a_tracker_whose_store_hangs_mid_run_is_dropped_and_never_waited_on(tmp_path, capsys, monkeypatch):
+    """MLflow takes its start and a first record, then another connection holds its SQLite file's
+    write lock, as a stalled server or a lock on NFS would hold it: the next call outlasts the limit."""
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    start = {"id": "hang", "name": "smoke", "project": "hangs", "run_dir": str(tmp_path), "timeout": 60, "params": {}}
+    tracker = tracking.Tracker("mlflow", start)
+    tracker.send({"kind": "train", "step": 5, "loss": 1.0})
+    wait_for(lambda: tracker.taken.get("train") == 5 or tracker.dropped, timeout=60)  # started and logging
+    assert not tracker.dropped
+    lock = sqlite3.connect(store, timeout=0)
+    lock.execute("BEGIN EXCLUSIVE")
     try:
-        wait_for(lambda: taken_by(tmp_path, "mlflow") >= 10, 90)
-        (tracker,) = [pid for pid in descendants(job.pid) if b"tracker_worker" in command_line(pid)]
-        rank_0 = int(process_stat(tracker)[1])  # the tracker's parent
-        os.kill(tracker, signal.SIGSTOP)  # in the middle of whatever it does, as a slow server would hold it
-        os.kill(rank_0, signal.SIGKILL)
-        os.kill(tracker, signal.SIGCONT)
-        finish([job], timeout=60)
+        tracker.timeout = 1.0
+        tracker.send({"kind": "train", "step": 10, "loss": 0.5})
+        began = time.monotonic()
+        tracker.send(("finished", None))
+        idle = tracker.wait(deadline=time.monotonic() + 30)
+        waited = time.monotonic() - began
+    finally:
+        lock.rollback()
+        lock.close()
+    assert not idle and waited < 2.5  # dropped at the limit, its call left behind
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "warning: tracker mlflow dropped: no answer to the train record of step 10 within run.tracker_timeout_s=1 s"
+    )
+
+
+@needs_wandb
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds W&B's service process in /proc")
+def test_a_tracker_that_hangs_at_the_end_is_left_behind_and_the_run_exits_0_on_time(tmp_path):
+    """W&B's own service process stops mid-run (SIGSTOP), as a hung upload would hold it: rank 0 waits
+    run.tracker_timeout_s for the run's end after training, then exits 0 without W&B's exit handlers,
+    which would wait for the service forever."""
+    environment = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    job = launch(tmp_path, "run.trackers=[wandb]", "run.tracker_timeout_s=5", "train.max_steps=60", **environment)
+    try:
+        wait_for(lambda: taken_by(tmp_path, "wandb") >= 10, 90)
+        services = [pid for pid in descendants(job.pid) if b"wandb-core" in command_line(pid)]
+        assert services, "no W&B service process found"
+        for pid in services:
+            os.kill(pid, signal.SIGSTOP)
+        began = time.monotonic()
+        wait_for(lambda: job.poll() is not None, 90)
+        ended = time.monotonic() - began
+        for pid in services:  # a stopped service cannot see that rank 0 is gone, and holds the job's pipes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        ((code, stdout, stderr),) = finish([job], timeout=30)
     finally:
         job.kill()
-    client = MlflowClient(store)
-    experiment = client.get_experiment_by_name(tracking.PROJECT).experiment_id
-    wait_for(lambda: client.search_runs([experiment])[0].info.status == "FAILED", timeout=30)
-    wait_for(lambda: not running(tracker), timeout=30)  # not left behind: orphaned, it ends itself
+    assert code == 0 and "done: 60 steps" in stdout, stderr[-3000:]
+    assert ended < 60
+    warnings = [line for line in stderr.splitlines() if line.startswith("warning: tracker")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: tracker wandb dropped: no answer to"), stderr
 
 
 def command_line(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
-def process_stat(pid: int) -> list[str]:
-    """/proc/PID/stat's fields after the command name: state, parent, ..."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def running(pid: int) -> bool:
     try:
-        return process_stat(pid)[0] != "Z"
-    except OSError:
-        return False
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
 
 
 @needs_mlflow

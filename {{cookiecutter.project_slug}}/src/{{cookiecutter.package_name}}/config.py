@@ -28,7 +28,6 @@ from .data import DatasetConfig
 from .model import ModelConfig
 from .rules import ConfigError, PositiveFloat, PositiveInt, Rule, exit_on_user_error
 from .rundir import RunDir
-from .tracker_worker import TRACKERS
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
@@ -38,6 +37,7 @@ ShardsOrder = Literal["chunks", "shuffle"]
 WorkerStart = Literal["auto", "fork", "forkserver", "spawn"]
 Strategy = Literal["ddp", "fsdp"]
 Checkpointing = Literal["none", "full", "selective"]
+TRACKERS = ("wandb", "mlflow")  # tracking.py's services
 
 
 NonNegative = Annotated[float, Rule(lambda v: v >= 0, "use >= 0")]

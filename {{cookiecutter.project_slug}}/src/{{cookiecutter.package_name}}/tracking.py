@@ -3,34 +3,31 @@
 run.trackers names them: [wandb], [mlflow], both, or [] (TensorBoard is run.tensorboard). Each
 is an optional extra (`pip install -e '.[wandb]'`, `'.[mlflow]'`) set up by its own environment
 variables: WANDB_API_KEY, WANDB_MODE, WANDB_ENTITY, WANDB_PROJECT; MLFLOW_TRACKING_URI,
-MLFLOW_EXPERIMENT_NAME. Only global rank 0 tracks; no other rank starts or imports a tracker.
+MLFLOW_EXPERIMENT_NAME. No other rank than global rank 0 starts or imports a tracker.
 
-Each tracker runs in a child process of rank 0 (tools/tracker_worker.py) that is sent the
-records of metrics.jsonl over a pipe, so a slow or unreachable service never holds up a step.
-Every call must be answered within run.tracker_timeout_s: a tracker that fails or goes quiet
-gets one warning and is dropped for the rest of the run. Training, checkpoints and the exit
-status never depend on a tracker. The run's end is sent when its log closes (after the stop
-checkpoint, on a stop signal), and rank 0 waits for the trackers only after leaving the process
-group, at most run.tracker_timeout_s for all of them, so no other rank waits at a barrier.
+Each tracker works on a thread of its own: the loop hands it each record of metrics.jsonl and
+never waits; what queued up while it was busy goes out in one call. A call that fails, or runs
+longer than run.tracker_timeout_s, drops the tracker with one warning; training, checkpoints and
+the exit status never depend on one. W&B uploads from its own service process, its console
+capture off so that a stalled service cannot block rank 0's prints. Rank 0 waits for the run's
+end to reach the trackers after leaving the process group, at most run.tracker_timeout_s; a
+tracker still busy then is left behind, and rank 0 exits without the libraries' exit handlers.
 
-One tracked run per training run: rank 0 draws an id on the run's first start and keeps it in
-out_dir/name/tracking/run.json and in every checkpoint. Every start that resumes from one of the
-run's checkpoints (a resume, a requeue, a torchrun restart) continues the same W&B or MLflow
-run; a fresh start draws a new id. A resumed attempt replays the steps after its checkpoint:
-each tracker is sent only the steps after the last one it took (tracking/<tracker>-<id>.json),
-so no step appears twice, and at start the records up to the checkpoint that it never took.
+One tracked run per training run: its id is drawn at the run's first start and kept in
+tracking/run.json and every checkpoint, so a resume, a requeue or a torchrun restart continues the
+same W&B or MLflow run. A resumed attempt replays the steps after its checkpoint: each tracker is
+sent only steps after the last one it took (tracking/<tracker>-<id>.json), and at start the
+records up to the checkpoint that it never took.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
+import math
 import os
 import platform
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -40,15 +37,15 @@ from pathlib import Path
 
 import torch
 
-from . import config, extras, processes, records
+from . import config, extras, records
 from .dist import DistInfo
+from .preemption import PREEMPTED_EXIT_CODE
 from .rundir import RunDir
 
-WORKER = f"{__package__}.tracker_worker"
+PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project / MLflow experiment unless run.tracker_project
 ANSWERS_FILE = ".cookiecutter.json"  # the answers this project was made with
-# the W&B project / MLflow experiment unless run.tracker_project names one
-PROJECT = "{{ cookiecutter.project_slug }}"
-EXIT = "its exit after finishing"  # the last thing a tracker's process owes rank 0
+ID_TAG = "tracked_run_id"  # MLflow: the tag that finds a training run's MLflow run again
+MLFLOW_STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 
 
 def check(names: list[str]) -> None:
@@ -71,38 +68,29 @@ def tracked_run_id(run_dir: RunDir, resumed: Path | None, saved: str | None) -> 
     return run_id
 
 
-def missed(run_dir: RunDir, name: str, run_id: str, first_step: int) -> list[dict]:
-    """The train and eval records up to `first_step` that tracker `name` never took (an earlier
-    attempt ended before sending them, or the tracker was named only now), from metrics.jsonl."""
-    taken_path = taken_file(run_dir, name, run_id)
-    if not run_dir.metrics.exists():
-        return []
-    taken = json.loads(taken_path.read_text()) if taken_path.exists() else {}
-    timeline = records.current_timeline(records.read(run_dir.metrics))
-    return [
-        record
-        for record in timeline
-        if record["kind"] in (records.TRAIN, records.EVAL)
-        and taken.get(record["kind"], -1) < record["step"] <= first_step
-    ]
-
-
 def taken_file(run_dir: RunDir, name: str, run_id: str) -> Path:
-    """Where tracker `name`'s process keeps the last step of each kind it took for run `run_id`."""
+    """Where tracker `name` keeps the last step of each kind it took for run `run_id`."""
     return run_dir.tracking / f"{name}-{run_id}.json"
 
 
-def without_credentials(text: str) -> str:
-    """URLs in `text` without their user:password@ part."""
-    return re.sub(r"(\w+://)[^/@\s]+@", r"\1", text)
+def timeline_up_to(run_dir: RunDir, step: int) -> list[dict]:
+    """The train and eval records of metrics.jsonl up to `step` on the run's current timeline: what
+    a resumed start sends each tracker, which skips the steps it took before."""
+    if not step or not run_dir.metrics.exists():
+        return []
+    timeline = records.current_timeline(records.read(run_dir.metrics))
+    return [r for r in timeline if r["kind"] in (records.TRAIN, records.EVAL) and r["step"] <= step]
 
 
-def destination(name: str) -> str:
-    """Where a tracker sends its runs, as its environment says, for messages."""
-    if name == "mlflow":
-        return f"MLflow at {os.environ.get('MLFLOW_TRACKING_URI', 'its default store (./mlflow.db)')}"
-    mode = os.environ.get("WANDB_MODE", "online")
-    return f"W&B {mode}" + (f" at {os.environ['WANDB_BASE_URL']}" if "WANDB_BASE_URL" in os.environ else "")
+def flat(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{"train": {"lr": 0.001}} -> {"train.lr": "0.001"}: MLflow's params are flat strings."""
+    items = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            items |= flat(value, f"{prefix}{key}.")
+        else:
+            items[f"{prefix}{key}"] = value if isinstance(value, str) else json.dumps(value)
+    return items
 
 
 def project_root() -> Path:
@@ -111,10 +99,14 @@ def project_root() -> Path:
     return source_root if (source_root / ANSWERS_FILE).exists() else Path.cwd()
 
 
-def run_facts(info: DistInfo) -> dict:
-    """Where and on what the run trains: for the trackers' config, beside the settings."""
+def run_params(cfg, info: DistInfo) -> dict:
+    """What the run is: its settings, the project's answers, where it trains (the tracker's thread
+    adds the project's commit)."""
+    answers = project_root() / ANSWERS_FILE
     device = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else platform.processor() or "cpu"
     return {
+        "config": config.to_dict(cfg),
+        "project": json.loads(answers.read_text()).get("cookiecutter", {}) if answers.exists() else {},
         "world_size": info.world_size,
         "nodes": max(1, info.world_size // info.local_world_size),
         "device": f"{info.world_size} x {device} (as rank 0 sees it)",
@@ -122,132 +114,211 @@ def run_facts(info: DistInfo) -> dict:
     }
 
 
-class TrackerProcess:
-    """One tracker's child process. `call` queues a message and returns at once; the child
-    answers each message in order. A message unanswered after `timeout` seconds, an error, or
-    the child's exit drops the tracker with one warning."""
-
-    def __init__(self, name: str, timeout: float):
-        self.name, self.timeout = name, timeout
-        command, env = processes.module_command(WORKER, name, str(timeout))
-        self.process = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # a terminal's Ctrl-C is for rank 0, which finishes the tracker
+def git_commit(root: Path) -> str | None:
+    """The project's commit, "-dirty" when its files differ from it; None outside git."""
+    try:
+        commit, changes = (
+            subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+            for args in (["rev-parse", "HEAD"], ["status", "--porcelain"])
         )
-        self.unanswered: collections.deque[str] = collections.deque()  # what each waiting message asks
-        self.since = time.monotonic()  # when the oldest unanswered message became the child's work
-        self.failure: str | None = None
-        self.dropped = False
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._send, daemon=True).start()
-        threading.Thread(target=self._receive, daemon=True).start()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return commit.stdout.strip() + ("-dirty" if changes.stdout.strip() else "") if commit.returncode == 0 else None
 
-    def call(self, op: str, what: str, **message) -> None:
-        self._send_later({"op": op, **message}, what)
+
+class Wandb:
+    """A W&B run with the tracked-run id; "step" (the optimizer step) is every metric's x-axis."""
+
+    def __init__(self, start: dict):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or start["project"],
+            id=start["id"],
+            name=start["name"],
+            resume="allow",
+            dir=start["run_dir"],
+            # W&B's own error before rank 0's limit; no console capture: rank 0's prints never wait for W&B
+            settings=wandb.Settings(init_timeout=0.8 * start["timeout"], console="off"),
+        )
+        self.run.config.update(start["params"], allow_val_change=True)  # a resume's changed settings too
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        where = f"offline in {self.run.dir}" if self.run.offline else self.run.url
+        self.note = f"run {self.run.id} of project {self.run.project}, {where}"
+
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        for step, values in rows:
+            self.run.log({"step": step, **values})
+
+    def summary(self, values: dict, step: int) -> None:
+        self.run.summary.update(values)
 
     def finish(self, status: str, checkpoint: str | None) -> None:
-        """Ask the child to end the tracked run and exit; `wait` waits for both."""
-        # the exit is answered by the end of its output; then its input closes
-        self._send_later({"op": "finish", "status": status, "checkpoint": checkpoint}, "finish", EXIT, then_close=True)
+        if checkpoint is not None:
+            artifact = self.wandb.Artifact(re.sub(r"[^\w.-]", "-", f"{self.run.name}-checkpoint"), type="model")
+            if Path(checkpoint).is_dir():  # a sharded checkpoint: every rank's part
+                artifact.add_dir(checkpoint, name=Path(checkpoint).name)
+            else:
+                artifact.add_file(checkpoint)
+            self.run.log_artifact(artifact)
+        if status == "preempted":
+            self.run.mark_preempting()
+        self.run.finish(exit_code={"finished": 0, "preempted": PREEMPTED_EXIT_CODE}.get(status, 1))
 
-    def _send_later(self, message: dict, *answers_owed: str, then_close: bool = False) -> None:
-        if self.dropped or self._check():
-            return
-        if not self.unanswered:
-            self.since = time.monotonic()
-        self.unanswered.extend(answers_owed)
-        self.outbox.put(message)  # encoded by the sender thread, off the training step
-        if then_close:
-            self.outbox.put(None)
 
-    def wait(self, deadline: float) -> None:
-        """Until the child has answered everything and exited, or it fails, overruns a call's
-        limit or reaches `deadline` (time.monotonic())."""
-        while not self.dropped and not self._check() and self.unanswered:
-            if time.monotonic() > deadline:
-                self._drop(f"no answer to {self.unanswered[0]} before the trackers' end of run.tracker_timeout_s")
-                return
-            time.sleep(0.02)
-        if not self.dropped:
-            try:
-                self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._drop("its process did not exit after finishing")
+class Mlflow:
+    """An MLflow run tagged with the tracked-run id, found again by that tag on every start."""
 
-    def _check(self) -> bool:
-        """Drop the tracker if it failed or overran; True when it is dropped."""
-        if self.failure is not None:
-            self._drop(self.failure)
-        elif self.unanswered and time.monotonic() - self.since > self.timeout:
-            self._drop(
-                f"no answer to {self.unanswered[0]} within run.tracker_timeout_s={self.timeout:g} s "
-                f"({destination(self.name)})"
-            )
+    def __init__(self, start: dict):
+        # MLflow's own error well before rank 0's limit: by default a closed port costs 7 retries
+        # (minutes); three tries of a sixth of the limit, back-off sleeps of a tenth (and MLflow's
+        # jitter of up to 1 s) bound each request within run.tracker_timeout_s
+        limit = start["timeout"]
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(limit // 6))))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", str(int(limit // 20)))
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self.Metric, self.client = Metric, MlflowClient()  # MLFLOW_TRACKING_URI, else MLflow's default store
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or start["project"]
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        found = self.client.search_runs([experiment_id], f"tags.{ID_TAG} = '{start['id']}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            created = self.client.create_run(experiment_id, run_name=start["name"], tags={ID_TAG: start["id"]})
+            self.run_id = created.info.run_id
+        # new params only: MLflow refuses to change one, so a resume's changed settings become a tag
+        logged, params = found[0].data.params if found else {}, flat(start["params"])
+        new = [Param(key, value[:6000]) for key, value in params.items() if key not in logged]
+        for first in range(0, len(new), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=new[first : first + 100])
+        changed = [f"{key}: {logged[key]} -> {new}" for key, new in params.items() if logged.get(key, new) != new]
+        if changed:
+            self.client.set_tag(self.run_id, f"changed_on_resume_{int(time.time())}", "; ".join(changed)[:5000])
+        self.note = f"run {self.run_id} of experiment {name} at {self.client.tracking_uri}"
+
+    def metrics(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        now = int(time.time() * 1000)
+        batch = [self.Metric(k, v, now, step) for step, values in rows for k, v in values.items() if math.isfinite(v)]
+        for first in range(0, len(batch), 1000):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, metrics=batch[first : first + 1000])
+
+    def summary(self, values: dict, step: int) -> None:
+        self.metrics([(step, {f"summary/{k}": v for k, v in values.items() if isinstance(v, (int, float))})])
+
+    def finish(self, status: str, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            folder = f"checkpoints/{Path(checkpoint).name}" if Path(checkpoint).is_dir() else "checkpoints"
+            log = self.client.log_artifacts if Path(checkpoint).is_dir() else self.client.log_artifact
+            log(self.run_id, checkpoint, artifact_path=folder)  # a sharded checkpoint: every rank's part
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS[status])
+
+
+SERVICES = {"wandb": Wandb, "mlflow": Mlflow}
+
+
+class Tracker:
+    """One tracker on a thread of its own. `send` queues a record, or the run's end (status,
+    checkpoint to upload), and returns at once. A call that raises, or that still runs `timeout`
+    seconds after it began when the loop looks (at each record and at the end), drops the tracker."""
+
+    def __init__(self, name: str, start: dict, service=None):
+        self.name, self.timeout = name, start["timeout"]
+        self.taken_path = taken_file(RunDir(start["run_dir"]), name, start["id"])
+        self.taken = json.loads(self.taken_path.read_text()) if self.taken_path.exists() else {}
+        self.taken_path.parent.mkdir(parents=True, exist_ok=True)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy: tuple[float, str] | None = None  # since when, and what, the call in progress
+        self.dropped, self.done = False, threading.Event()
+        serve = (service or SERVICES[name], start)
+        threading.Thread(target=self._serve, args=serve, daemon=True, name=f"tracker-{name}").start()
+
+    def send(self, item: dict | tuple) -> None:
+        if not self.dropped and not self.overran():
+            self.inbox.put(item)
+
+    def overran(self) -> bool:
+        busy = self.busy
+        if busy is not None and time.monotonic() - busy[0] > self.timeout:
+            self.drop(f"no answer to {busy[1]} within run.tracker_timeout_s={self.timeout:g} s")
         return self.dropped
 
-    def _drop(self, problem: str) -> None:
+    def drop(self, problem: str) -> None:
         if not self.dropped:
             self.dropped = True
-            cause = without_credentials(problem).rstrip(".")
-            sys.stderr.write(
-                f"warning: tracker {self.name} dropped: {cause}; training goes on without it "
-                "(metrics.jsonl keeps every record)\n"
-            )
-            self._kill()
+            cause = re.sub(r"(\w+://)[^/@\s]+@", r"\1", problem).rstrip(".")  # no user:password@ of a URL
+            warning = f"warning: tracker {self.name} dropped: {cause}; training goes on without it"
+            print(f"{warning} (metrics.jsonl keeps every record)", file=sys.stderr, flush=True)
 
-    def _kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # its session: W&B's service process too
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+    def wait(self, deadline: float) -> bool:
+        """Until the tracker finished, is dropped or `deadline` (time.monotonic()) passed; whether
+        its thread is idle (a dropped tracker's call may still hang)."""
+        while not self.done.is_set() and not self.overran() and time.monotonic() < deadline:
+            self.done.wait(0.05)
+        if not self.done.is_set():
+            self.drop("no answer before the trackers' end of run.tracker_timeout_s")
+        return self.done.is_set()
 
-    def _send(self) -> None:
-        while (message := self.outbox.get()) is not None:
-            try:
-                self.process.stdin.write(json.dumps(message) + "\n")
-                self.process.stdin.flush()
-            except OSError:  # the child is gone; _receive says why
-                return
-        with contextlib.suppress(OSError):
-            self.process.stdin.close()
+    def _serve(self, service, start: dict) -> None:
+        try:
+            start = start | {"params": start["params"] | {"git_commit": git_commit(project_root())}}
+            service = self._call("start", service, start)
+            print(f"tracker {self.name}: {service.note}", file=sys.stderr, flush=True)
+            while not self.dropped:
+                batch = [self.inbox.get()]
+                while isinstance(batch[-1], dict) and not self.inbox.empty():  # what queued up: one call
+                    batch.append(self.inbox.get())
+                logged = [item for item in batch if isinstance(item, dict)]
+                if logged:
+                    what = f"the {logged[-1]['kind']} record of step {logged[-1]['step']}"
+                    self._call(what, self.log, service, logged)
+                if isinstance(batch[-1], tuple):
+                    return self._call("the run's end", service.finish, *batch[-1])
+        except Exception as error:
+            self.drop(f"{type(error).__name__}: {error}".splitlines()[0][:500])
+        finally:
+            self.done.set()
 
-    def _receive(self) -> None:
-        for line in self.process.stdout:
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                answer = {"error": f"an unreadable answer {line.strip()[:200]!r}"}
-            if "error" in answer:
-                self.failure = answer["error"]
-                return
-            if "note" in answer:
-                sys.stderr.write(f"tracker {self.name}: {without_credentials(answer['note'])}\n")
-            self.unanswered.popleft()
-            self.since = time.monotonic()
-        if self.unanswered and self.unanswered[0] == EXIT:
-            self.unanswered.popleft()
-        else:
-            waiting = self.unanswered[0] if self.unanswered else "its next message"
-            self.failure = f"its process ended (exit code {self.process.wait()}) before answering {waiting}"
+    def _call(self, what: str, function, *args):
+        self.busy = (time.monotonic(), what)
+        result = function(*args)
+        self.busy = None
+        return result
+
+    def log(self, service, logged: list[dict]) -> None:
+        """Records in order, in as few calls as the tracker allows, without the steps it took before."""
+        rows: list[tuple[int, dict[str, float]]] = []
+        for record in logged:
+            if record["kind"] == records.SUMMARY:
+                service.metrics(rows)
+                rows = []
+                service.summary(record["summary"], record["step"])
+            elif record["step"] > self.taken.get(record["kind"], -1):
+                rows.append((record["step"], records.scalars(record)))
+                self.taken[record["kind"]] = record["step"]
+        service.metrics(rows)
+        self.taken_path.with_suffix(".tmp").write_text(json.dumps(self.taken))
+        os.replace(self.taken_path.with_suffix(".tmp"), self.taken_path)
 
 
 class Trackers:
-    """Rank 0's trackers for one training run: made empty, started by `start` (on rank 0, for
-    run.trackers), sent every metrics.jsonl record by `write`, told the run's end by `end` and
-    waited for by `wait`, which train.main calls after leaving the process group, so that no rank
-    waits for them at a barrier."""
+    """Rank 0's trackers for one training run: `start` (on rank 0, for run.trackers), `write` every
+    record of metrics.jsonl, `end`, and `wait`, which train.main calls after leaving the group."""
 
     def __init__(self):
-        self.processes: list[TrackerProcess] = []
+        self.trackers: list[Tracker] = []
         self.timeout, self.upload_checkpoint, self.ended = 0.0, False, False
 
     def start(self, cfg, info: DistInfo, resumed: Path | None, state) -> str | None:
-        """Start the trackers for a run at `state` (a TrainState, resumed or fresh) and send each
-        the records it missed; returns the tracked-run id (elsewhere than rank 0, or with no
-        trackers: the id the resumed checkpoint carried)."""
+        """Start the trackers for a run at `state` (a TrainState) and queue each the records it
+        missed; returns the tracked-run id (elsewhere than rank 0, or with no trackers: the id the
+        resumed checkpoint carried)."""
         if not info.is_main or not cfg.run.trackers:
             return state.tracked_run_id
         run_id = tracked_run_id(cfg.run_dir, resumed, state.tracked_run_id)
@@ -257,38 +328,32 @@ class Trackers:
             "name": cfg.run.name,
             "project": cfg.run.tracker_project or PROJECT,
             "run_dir": str(cfg.run_dir.root.resolve()),
-            "root": str(project_root()),
             "timeout": self.timeout,
-            "config": config.to_dict(cfg),
-            "facts": run_facts(info),
+            "params": run_params(cfg, info),
         }
         for name in cfg.run.trackers:
-            process = TrackerProcess(name, self.timeout)
-            process.call("start", "start", **start)
-            for record in missed(cfg.run_dir, name, run_id, state.step) if state.step else []:  # fresh: none
-                process.call("log", f"the missed {record['kind']} record of step {record['step']}", record=record)
-            self.processes.append(process)
+            self.trackers.append(Tracker(name, start))
+            for record in timeline_up_to(cfg.run_dir, state.step):  # what it never took goes out
+                self.trackers[-1].send(record)
         return run_id
 
     def write(self, record: dict) -> None:
-        for process in self.processes:
-            process.call("log", f"the {record['kind']} record of step {record['step']}", record=record)
+        for tracker in self.trackers:
+            tracker.send(record)
 
     def end(self, status: str, checkpoint: Path | None = None) -> None:
         """Tell every tracker the run ended ("finished", "preempted" or "failed"); returns at once."""
-        if self.ended:
-            return
-        self.ended = True
-        upload = str(checkpoint) if checkpoint is not None and self.upload_checkpoint else None
-        for process in self.processes:
-            process.finish(status, upload)
+        if not self.ended:
+            self.ended = True
+            upload = str(checkpoint) if checkpoint is not None and self.upload_checkpoint else None
+            for tracker in self.trackers:
+                tracker.send((status, upload))
 
-    def wait(self) -> None:
-        """Until every tracker has finished, within run.tracker_timeout_s for all of them together."""
+    def wait(self) -> bool:
+        """Until every tracker has finished, within run.tracker_timeout_s for all of them together;
+        whether none is still busy (one that is would hold the process's exit)."""
         self.end("failed")  # a no-op after the log's own end; else the run stopped before its log did
-        busy = [process for process in self.processes if not process.dropped and process.unanswered]
-        if busy:
+        if not all(tracker.done.is_set() for tracker in self.trackers):
             print(f"finishing the trackers (at most {self.timeout:g} s)", file=sys.stderr, flush=True)
         deadline = time.monotonic() + self.timeout
-        for process in busy:
-            process.wait(deadline)
+        return all([tracker.wait(deadline) for tracker in self.trackers])

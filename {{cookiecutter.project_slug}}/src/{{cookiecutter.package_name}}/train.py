@@ -82,7 +82,11 @@ def main(argv=None) -> int:
     info = sharding.with_backend(cfg, info)
     trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
     code = dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: run(cfg, info, trackers))
-    trackers.wait()  # out of the process group: no rank waits at a barrier for rank 0's trackers
+    if not trackers.wait():  # out of the process group: no rank waits at a barrier for rank 0's trackers
+        # a tracker call still hangs, and its library's exit handlers would wait for it: leave without them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
