@@ -180,13 +180,14 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     assert config["train"]["precision"] == answers.get("precision", "bf16")
     assert config["train"]["compile"] is answers.get("compile", False)
     assert config["train"]["grad_accum_steps"] == int(answers.get("grad_accum_steps", "1"))
-    assert config["train"]["strategy"] == answers.get("strategy", "ddp")
+    assert config["parallel"]["strategy"] == answers.get("strategy", "ddp")
     floor = "torch>=2.8" if answers.get("strategy") == "fsdp" else "torch>=2.4"
     assert f'"{floor}"' in (project / "pyproject.toml").read_text()
     assert config["data"]["batch_size"] == int(answers.get("per_device_batch_size", "32"))
     total_gpus = int(answers.get("gpus_per_node", "8")) * int(answers.get("num_nodes", "1"))
     batch_norm = answers.get("task", "classifier") != "language_model"  # the language model has none
-    assert config["train"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm)
+    sync_batchnorm = answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm
+    assert config["parallel"]["sync_batchnorm"] is sync_batchnorm
     assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
     tracker = answers.get("tracker", "tensorboard")
     assert config["run"]["trackers"] == ([] if tracker == "tensorboard" else [tracker])
@@ -243,8 +244,9 @@ def test_cli_answers_land_in_the_config(tmp_path):
         tmp_path, "precision=fp16", "grad_accum_steps=4", "sync_batchnorm=false", "compile=true", "slurm=false"
     )
     assert result.returncode == 0, result.stderr
-    train = yaml.safe_load((tmp_path / "ddp-trainer" / "configs" / "default.yaml").read_text())["train"]
-    assert (train["precision"], train["grad_accum_steps"], train["sync_batchnorm"], train["compile"]) == (
+    settings = yaml.safe_load((tmp_path / "ddp-trainer" / "configs" / "default.yaml").read_text())
+    train, sync_batchnorm = settings["train"], settings["parallel"]["sync_batchnorm"]
+    assert (train["precision"], train["grad_accum_steps"], sync_batchnorm, train["compile"]) == (
         "fp16",
         4,
         False,

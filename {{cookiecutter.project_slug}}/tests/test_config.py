@@ -3,12 +3,15 @@ import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from subprocess import PIPE
 
 import pytest
+import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
 from {{ cookiecutter.package_name }} import config, rules, train
+from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
 DEFAULT_CONFIG = PROJECT / "configs" / "default.yaml"
@@ -45,18 +48,21 @@ def test_default_yaml_holds_every_setting_with_the_comment_of_its_dataclass_fiel
 
 def test_sync_rewrites_a_drifted_file_and_keeps_its_values(tmp_path):
     drifted = tmp_path / "default.yaml"
-    drifted.write_text("train:\n  lr: 0.05  # stale comment\n  gone: 1\n  grad_clip: tight\ndata:\n  batch_size: 7\n")
-    dropped = config.sync(drifted)  # an unknown key, and a value of another type than the setting has now
-    assert dropped == ["train.gone=1 (an unknown key)", "train.grad_clip='tight' ('tight' is not a number or null)"]
+    drifted.write_text("optim:\n  lr: 0.05  # stale\n  gone: 1\ntrain:\n  grad_clip: tight\ndata:\n  batch_size: 7\n")
+    changed = config.sync(drifted)  # an unknown key, and a value of another type than the setting has now
+    assert changed == [
+        "optim.gone=1 (an unknown key): dropped",
+        "train.grad_clip='tight' ('tight' is not a number or null): dropped",
+    ]
     assert yaml_comments(drifted.read_text()) == dataclass_comments()
     cfg = config.load(drifted)
-    assert cfg.train.lr == 0.05 and cfg.data.batch_size == 7 and cfg.run == config.RunConfig()
+    assert cfg.optim.lr == 0.05 and cfg.data.batch_size == 7 and cfg.run == config.RunConfig()
 
 
 def test_sync_leaves_the_file_as_it_was_when_a_value_breaks_a_rule(tmp_path):
     path = tmp_path / "default.yaml"
     path.write_text("train:\n  lr: -1.0\n")  # of the right type, against its rule: the user's to fix
-    with pytest.raises(ConfigError, match=r"train.lr: -1.0 is invalid; use a positive learning rate"):
+    with pytest.raises(ConfigError, match=r"optim.lr: -1.0 is invalid; use a positive learning rate"):
         config.sync(path)
     assert path.read_text() == "train:\n  lr: -1.0\n"
 
@@ -83,15 +89,15 @@ def test_sync_with_a_rule_that_fails_to_run_is_one_line_exit_2_and_the_file_unch
 
 
 def test_yaml_then_overrides():
-    cfg = config.load(SMOKE_CONFIG, ["train.lr=3e-4", "data.num_workers=2", "train.max_steps=null", "run.name=x"])
-    assert cfg.train.lr == 3e-4 and cfg.data.num_workers == 2 and cfg.train.max_steps is None
+    cfg = config.load(SMOKE_CONFIG, ["optim.lr=3e-4", "data.num_workers=2", "train.max_steps=null", "run.name=x"])
+    assert cfg.optim.lr == 3e-4 and cfg.data.num_workers == 2 and cfg.train.max_steps is None
     assert cfg.data.batch_size == 16  # from smoke.yaml
     assert cfg.model == type(cfg.model)()  # dataclass defaults: smoke.yaml has no model section
     assert str(cfg.run_dir).endswith("runs/x")
 
 
 def test_integers_are_accepted_for_floats():
-    assert config.load(None, ["train.lr=1"]).train.lr == 1.0
+    assert config.load(None, ["optim.lr=1"]).optim.lr == 1.0
 
 
 @pytest.mark.parametrize(
@@ -105,8 +111,8 @@ def test_integers_are_accepted_for_floats():
         ("data.batch_size=abc", "data.batch_size: 'abc' is not an integer"),
         ("data.num_workers=many", "data.num_workers: 'many' is not an integer or 'auto'"),
         ("train.compile=maybe", "train.compile: 'maybe' is not true/false"),
-        ("train.lr=0", "train.lr: 0.0 is invalid; use a positive learning rate"),
-        ("train.warmup_fraction=1.5", "train.warmup_fraction: 1.5 is invalid"),
+        ("optim.lr=0", "optim.lr: 0.0 is invalid; use a positive learning rate"),
+        ("schedule.warmup_fraction=1.5", "schedule.warmup_fraction: 1.5 is invalid"),
         ("dist.timeout_minutes=0", "dist.timeout_minutes: 0.0 is invalid"),
         ("lr=1", "must look like section.key=value"),
     ],
@@ -125,10 +131,84 @@ def test_bad_yaml_file(tmp_path):
         config.load(tmp_path / "missing.yaml")
 
 
-def test_resolved_config_round_trips(tmp_path):
-    cfg = config.load(SMOKE_CONFIG, ["train.precision=fp16", "train.grad_clip=null"])
-    config.save(cfg, tmp_path / "resolved.yaml")
+def test_resolved_config_round_trips_and_names_what_it_was_built_from(tmp_path):
+    cfg, sources = config.compose([SMOKE_CONFIG], ["train.precision=fp16", "train.grad_clip=null"])
+    config.save(cfg, tmp_path / "resolved.yaml", sources)
     assert config.load(tmp_path / "resolved.yaml") == cfg
+    built = f"# settings: {SMOKE_CONFIG} < train.precision=fp16 < train.grad_clip=null\n"
+    assert (tmp_path / "resolved.yaml").read_text().startswith(built)
+
+
+def test_config_files_apply_in_order_and_a_partial_one_changes_only_what_it_names(tmp_path):
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("optim:\n  lr: 0.0005\ntrain:\n  epochs: 4\n")
+    base = config.load(DEFAULT_CONFIG)
+    cfg, sources = config.compose([DEFAULT_CONFIG, experiment], ["train.epochs=5", "run.name=mine"])
+    assert (cfg.optim.lr, cfg.train.epochs, cfg.run.name) == (0.0005, 5, "mine")  # the later file, then overrides
+    expected = replace(
+        base,
+        optim=replace(base.optim, lr=0.0005),
+        train=replace(base.train, epochs=5),
+        run=replace(base.run, name="mine"),
+    )
+    assert cfg == expected  # everything else is default.yaml's, not the dataclass defaults
+    assert sources.files == (str(DEFAULT_CONFIG), str(experiment))
+
+
+def test_a_file_that_extends_another_is_read_over_it_relative_to_its_own_folder(tmp_path):
+    (tmp_path / "experiments").mkdir()
+    base = tmp_path / "configs" / "base.yaml"
+    base.parent.mkdir()
+    base.write_text("data:\n  batch_size: 12\noptim:\n  lr: 0.25\n")
+    experiment = tmp_path / "experiments" / "x.yaml"
+    experiment.write_text("extends: ../configs/base.yaml\noptim:\n  lr: 0.5\n")
+    cfg, sources = config.compose(experiment)
+    assert (cfg.data.batch_size, cfg.optim.lr) == (12, 0.5)
+    assert sources.files == (str(tmp_path / "experiments" / "../configs/base.yaml"), str(experiment))
+    base.write_text("extends: ../experiments/x.yaml\n")
+    with pytest.raises(ConfigError, match="`extends` goes round"):
+        config.load(experiment)
+
+
+def test_sync_keeps_a_file_that_extends_another_to_the_settings_it_names(tmp_path):
+    experiment = tmp_path / "x.yaml"
+    experiment.write_text("# my experiment\nextends: default.yaml\noptim:\n  lr: 0.5\n  gone: 1\n")
+    assert config.sync(experiment) == ["optim.gone=1 (an unknown key): dropped"]
+    assert experiment.read_text() == (
+        "# my experiment\nextends: default.yaml\n\noptim:\n"
+        f"  lr: 0.5{' ' * 14}  # {config.field_comments(config.OptimConfig)['lr']}\n"
+    )
+
+
+PREVIOUS_LAYOUT = PROJECT / "tests" / "previous_layout.yaml"
+
+
+def test_a_config_file_of_the_previous_layout_loads_each_old_name_as_the_new_one_with_a_note():
+    cfg, sources = config.compose([DEFAULT_CONFIG, PREVIOUS_LAYOUT])
+    assert (cfg.train.epochs, cfg.optim.lr, cfg.schedule.name, cfg.schedule.warmup_fraction) == (3, 0.02, "linear", 0)
+    assert (cfg.parallel.strategy, cfg.parallel.sync_batchnorm, cfg.eval.every) == ("ddp", False, 7)
+    assert (cfg.parallel.reshard_after_forward, cfg.parallel.bucket_cap_mb, cfg.dist.timeout_minutes) == (False, 50, 5)
+    note = sources.renamed_note()
+    assert note.startswith("note: the config names settings as they were before their sections were regrouped")
+    assert all(f"{old} -> {config.RENAMED[old]}" in note for old in sources.renamed) and len(sources.renamed) == 8
+    old_lr = next(old for old, new in config.RENAMED.items() if new == "optim.lr")
+    assert config.load(SMOKE_CONFIG, [f"{old_lr}=0.125"]).optim.lr == 0.125  # an override by its old name too
+
+
+def test_an_old_and_a_new_name_of_one_setting_in_one_file_is_an_error(tmp_path):
+    old_lr = next(old for old, new in config.RENAMED.items() if new == "optim.lr").split(".")
+    both = tmp_path / "both.yaml"
+    both.write_text(f"{old_lr[0]}:\n  {old_lr[1]}: 0.1\noptim:\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match="name one setting: keep optim.lr"):
+        config.load(both)
+
+
+def test_sync_rewrites_a_file_of_the_previous_layout_with_the_new_names(tmp_path):
+    shutil.copy(PREVIOUS_LAYOUT, tmp_path / "old.yaml")
+    changed = config.sync(tmp_path / "old.yaml")
+    assert len(changed) == 8 and all(" -> " in line for line in changed)
+    assert config.load(tmp_path / "old.yaml") == config.load(PREVIOUS_LAYOUT)
+    assert "\nfsdp:\n" not in (tmp_path / "old.yaml").read_text()
 
 
 def test_cli_reports_a_bad_override_and_exits_non_zero(tmp_path, capsys):
@@ -163,3 +243,30 @@ def test_every_rank_fails_on_a_bad_override_before_any_collective(tmp_path):
         _, stderr = rank.communicate(timeout=60)
         assert rank.returncode == 2
         assert "config error: data.batch_size: -3 is invalid; use at least 1" in stderr.decode()
+
+
+def previous_layout(settings: dict) -> dict:
+    """`settings` (config.to_dict's) as a checkpoint of the previous layout holds them."""
+    old = {section: dict(values) for section, values in settings.items()}
+    for before, now in config.RENAMED.items():
+        (old_section, old_key), (section, key) = before.split("."), now.split(".")
+        old.setdefault(old_section, {})[old_key] = old[section].pop(key)
+    return {section: values for section, values in old.items() if values}
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_a_checkpoint_of_the_previous_layout_resumes_with_a_note_and_no_setting_changed(tmp_path, capsys):
+    overrides = [f"run.out_dir={tmp_path}", "run.tensorboard=false", "data.num_workers=0", "checkpoint.every_steps=4"]
+    world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    assert train.run(config.load(SMOKE_CONFIG, [*overrides, "train.max_steps=4"]), world_of_one) == 0
+    written = config.load(SMOKE_CONFIG, overrides).run_dir.checkpoint(4)
+    payload = torch.load(written, weights_only=True)
+    payload["config"] = previous_layout(payload["config"])
+    assert "fsdp" in payload["config"] and "parallel" not in payload["config"]
+    torch.save(payload, written)
+    capsys.readouterr()
+    assert train.run(config.load(SMOKE_CONFIG, [*overrides, "train.max_steps=6"]), world_of_one) == 0
+    out = capsys.readouterr().out
+    assert f"note: {written.name} names settings as they were before their sections were regrouped" in out
+    assert "settings changed since it was written: train.max_steps 4 -> 6;" in out  # the one change made
+    assert f"resumed from {written} at step 4" in out and "done: 6 steps" in out

@@ -265,9 +265,10 @@ def test_an_explicit_bad_checkpoint_fails_the_run_clearly(tmp_path, capsys):
 
 def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):
     run_dir, train_settings, checkpoint_settings = RunDir(tmp_path), SETTINGS["train"], SETTINGS["checkpoint"]
-    written = SETTINGS | {"train": train_settings | {"epochs": 10, "lr": 0.1}}
+    lr = {"optim": SETTINGS["optim"] | {"lr": 0.1}}
+    written = SETTINGS | lr | {"train": train_settings | {"epochs": 10}}
     checkpoint.save(*small_run(3), run_dir, written, INFO, keep_last=1)
-    now = SETTINGS | {"train": train_settings | {"epochs": 1, "lr": 0.1}}
+    now = SETTINGS | lr | {"train": train_settings | {"epochs": 1}}
     now["checkpoint"] = checkpoint_settings | {"resume": "step_3.pt"}
     checkpoint.resume(*small_run(0), run_dir, "auto", INFO, now)
     note = capsys.readouterr().out

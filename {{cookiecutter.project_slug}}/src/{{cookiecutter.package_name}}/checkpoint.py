@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import dist, sharded_checkpoint, shards
+from .config import renamed_note, upgrade
 from .dist import DistInfo
 from .rules import ConfigError
 from .rundir import RunDir
@@ -167,7 +168,7 @@ def refuse_nonfinite(broken: list[str], step: int) -> None:
     if broken:
         raise FloatingPointError(
             f"not writing the checkpoint of step {step}: {len(broken)} weights hold nan or inf "
-            f"(e.g. {broken[0]}); the last checkpoint is kept: lower train.lr or lengthen the warmup"
+            f"(e.g. {broken[0]}); the last checkpoint is kept: lower optim.lr or lengthen the warmup"
         )
 
 
@@ -177,7 +178,7 @@ def format_of(config: dict) -> str:
     chosen = config["checkpoint"]["format"]
     if chosen != "auto":
         return chosen
-    return "sharded" if config["train"]["strategy"] == "fsdp" else "full"
+    return "sharded" if config["parallel"]["strategy"] == "fsdp" else "full"
 
 
 def check(config: dict) -> None:
@@ -187,7 +188,7 @@ def check(config: dict) -> None:
     if config["checkpoint"]["async_save"] and format_of(config) != "sharded":
         raise ConfigError(
             "checkpoint.async_save: writes sharded checkpoints in the background; set checkpoint.format=sharded "
-            "(the default under train.strategy=fsdp) or checkpoint.async_save=false"
+            "(the default under parallel.strategy=fsdp) or checkpoint.async_save=false"
         )
 
 
@@ -300,8 +301,12 @@ def load_file(path: str | Path) -> dict:
         if problem:
             raise ValueError(problem)
         payload = _load(path / sharded_checkpoint.STATE_FILE)
-        return payload | {"sharded": True, "model_shapes": sharded_checkpoint.model_shapes(path)}
-    return _load(path)
+        payload |= {"sharded": True, "model_shapes": sharded_checkpoint.model_shapes(path)}
+    else:
+        payload = _load(path)
+    if "config" in payload:  # written before the settings' sections were regrouped: read in today's layout
+        payload["config"], payload["renamed_settings"] = upgrade(payload["config"])
+    return payload
 
 
 def _load(path: Path) -> dict:
@@ -450,6 +455,9 @@ def restore(
         load_full_state(model, state.optimizer, payload)
     state.load_state_dict(payload)
     state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])
+    renamed = renamed_note(payload.get("renamed_settings"), chosen.name, "its next checkpoint uses the new names")
+    if renamed:
+        dist.print0(info, renamed)
     changes = changed_settings(payload["config"], config if asked is None else asked)
     if changes:
         dist.print0(

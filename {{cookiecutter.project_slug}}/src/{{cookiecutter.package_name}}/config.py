@@ -1,9 +1,15 @@
-"""Typed configuration: dataclasses <- YAML file <- `section.key=value` overrides.
+"""Typed configuration: dataclasses <- YAML files, in order <- `section.key=value` overrides.
 
 Every field is documented next to its default, and its value rule sits in its type (see
 rules.py). `load()` returns a validated `Config` or raises `ConfigError` with a message that
 names the key, the bad value and the fix. The task's own settings live beside the code that
 reads them: `ModelConfig` in model.py and `DatasetConfig` in data.py.
+
+Files compose: `--config configs/default.yaml --config experiments/big.yaml optim.lr=3e-4` applies
+each file over the ones before it, then the overrides; a file names only what it changes. A file
+that starts with `extends: <file>` (a path from its own folder) is read over that file first, so
+`--config experiments/big.yaml` alone builds on configs/default.yaml when it says so. A run
+records the files and overrides it was built from (runs/<name>/config.yaml's header, start-up).
 
     python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml   # rewrite it from the dataclasses
 """
@@ -123,41 +129,52 @@ class TrainConfig:
     epochs: PositiveInt = 10  # passes over the training set
     max_steps: StepCap = None  # optional cap on optimizer steps (null: no cap)
     grad_accum_steps: PositiveInt = 1  # micro-batches per optimizer step; only the last all-reduces
-    strategy: Strategy = "ddp"  # ddp: a whole copy of the model on every device; fsdp: sharded over them (torch>=2.8)
-    activation_checkpointing: Checkpointing = "none"  # recompute units in backward: full (all), selective (every 2nd)
     precision: Precision = "bf16"  # bf16 | fp16 (with GradScaler) | fp32
     compile: bool = False  # torch.compile the model before wrapping it in DDP
-    sync_batchnorm: bool = True  # SyncBatchNorm across ranks (CUDA only; needs world > 1)
-    lr: LearningRate = 1e-3  # learning rate tuned for reference_batch_size
-    reference_batch_size: PositiveInt = 32  # global batch at which lr was tuned
-    lr_scaling: LrScaling = "auto"  # auto: linear for sgd, sqrt for adamw/adafactor, none for optim.name=task
-    warmup_fraction: Share = "auto"  # share of steps spent warming up; auto: 1-5%, more for larger batches
-    schedule: Schedule = "cosine"  # after warmup: cosine, linear (both to the floor), constant, wsd, step or task
-    min_lr_ratio: Ratio = 0.1  # the floor: cosine, linear and wsd decay to lr x min_lr_ratio
-    decay_fraction: Ratio = 0.2  # wsd: the share of the steps that decays linearly to the floor, at the end
-    milestones: Milestones = field(default_factory=lambda: [0.5, 0.75])  # step: shares of the steps where lr drops
-    gamma: Ratio = 0.1  # step: the lr is multiplied by gamma at each milestone
-    weight_decay: NonNegative = 0.01  # decoupled weight decay of matrices (norms and biases are never decayed)
     grad_clip: ClipNorm = 1.0  # max global gradient norm (null: no clipping)
     cudnn_benchmark: bool = True  # let cuDNN pick the fastest kernels for fixed input sizes
-    eval_every: StepCap = None  # optimizer steps between evaluations (and at the end); null: each epoch's end
-    eval_at_start: bool = False  # also evaluate the untrained model at step 0 (a fresh run's baseline)
-    eval_limit: StepCap = None  # evaluate the first N eval samples only (the smoke check's quick look); null: all
 
 
 @dataclass
 class OptimConfig:
     name: OptimizerName = "adamw"  # adamw | sgd | adafactor (torch>=2.5) | task: task.build_optimizer
+    lr: LearningRate = 1e-3  # peak learning rate, tuned at reference_batch_size
+    reference_batch_size: PositiveInt = 32  # global batch at which lr was tuned
+    lr_scaling: LrScaling = "auto"  # auto: linear for sgd, sqrt for adamw/adafactor, none for optim.name=task
+    weight_decay: NonNegative = 0.01  # decoupled weight decay of matrices (norms and biases are never decayed)
     betas: Betas = field(default_factory=lambda: [0.9, 0.999])  # adamw's decay rates of its two moments
     momentum: Ratio = 0.9  # sgd's momentum
     nesterov: bool = False  # sgd: Nesterov momentum
 
 
 @dataclass
-class FsdpConfig:
-    reshard_after_forward: bool = True  # free a unit's gathered weights after forward; false: faster, more memory
-    reduce_every_micro_batch: bool = True  # accumulation: sharded gradients between micro-batches; false: whole
-    cpu_offload: bool = False  # sharded state in CPU memory (GPU runs): slower, for what does not fit even sharded
+class ScheduleConfig:
+    name: Schedule = "cosine"  # after warmup: cosine, linear (both to the floor), constant, wsd, step or task
+    warmup_fraction: Share = "auto"  # share of steps spent warming up; auto: 1-5%, more for larger batches; 0: none
+    min_lr_ratio: Ratio = 0.1  # the floor: cosine, linear and wsd decay to lr x min_lr_ratio
+    decay_fraction: Ratio = 0.2  # wsd: the share of the steps that decays linearly to the floor, at the end
+    milestones: Milestones = field(default_factory=lambda: [0.5, 0.75])  # step: shares of the steps where lr drops
+    gamma: Ratio = 0.1  # step: the lr is multiplied by gamma at each milestone
+
+
+@dataclass
+class EvalConfig:
+    every: StepCap = None  # optimizer steps between evaluations (and at the end); null: each epoch's end
+    at_start: bool = False  # also evaluate the untrained model at step 0 (a fresh run's baseline)
+    limit: StepCap = None  # evaluate the first N eval samples only (the smoke check's quick look); null: all
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Strategy = "ddp"  # ddp: the whole model on every device; fsdp: sharded over them (torch>=2.8)
+    activation_checkpointing: Checkpointing = "none"  # units recomputed in backward: full (all), selective (every 2nd)
+    sync_batchnorm: bool = True  # SyncBatchNorm across ranks (CUDA only; needs world > 1)
+    bucket_cap_mb: PositiveInt = 25  # ddp: gradient bucket size
+    find_unused_parameters: bool = False  # ddp: only if `diagnose unused` lists parameters you need
+    static_graph: bool = False  # ddp: static_graph, the same used parameters every step
+    reshard_after_forward: bool = True  # fsdp: free gathered weights after forward; false: faster, more memory
+    reduce_every_micro_batch: bool = True  # fsdp accumulation: sharded gradients between micro-batches; false: whole
+    cpu_offload: bool = False  # fsdp: sharded state in CPU memory (GPU runs); slower, for what does not fit sharded
 
 
 @dataclass
@@ -173,9 +190,6 @@ class CheckpointConfig:
 @dataclass
 class DistConfig:
     timeout_minutes: Minutes = 30.0  # collective timeout; a short one turns a hang into an error
-    bucket_cap_mb: PositiveInt = 25  # DDP gradient bucket size
-    find_unused_parameters: bool = False  # only if `diagnose unused` lists parameters you need
-    static_graph: bool = False  # DDP static_graph: same used parameters every step
     gpus_per_node: PositiveInt = 8  # what this project was planned for; launchers and doctor compare
     num_nodes: PositiveInt = 1  # what this project was planned for
 
@@ -188,7 +202,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
@@ -197,9 +213,91 @@ class Config:
         return RunDir(Path(self.run.out_dir) / self.run.name)
 
 
-def load(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults <- YAML file <- overrides, then validated."""
-    return with_overrides(load_tree(path) if path is not None else {}, overrides)
+# Settings whose section changed when the sections were regrouped by concern: a config file, an
+# override or a checkpoint that names the old key still loads, the key read as the new one.
+RENAMED = {
+    "train.strategy": "parallel.strategy",
+    "train.activation_checkpointing": "parallel.activation_checkpointing",
+    "train.sync_batchnorm": "parallel.sync_batchnorm",
+    "dist.bucket_cap_mb": "parallel.bucket_cap_mb",
+    "dist.find_unused_parameters": "parallel.find_unused_parameters",
+    "dist.static_graph": "parallel.static_graph",
+    "fsdp.reshard_after_forward": "parallel.reshard_after_forward",
+    "fsdp.reduce_every_micro_batch": "parallel.reduce_every_micro_batch",
+    "fsdp.cpu_offload": "parallel.cpu_offload",
+    "train.lr": "optim.lr",
+    "train.reference_batch_size": "optim.reference_batch_size",
+    "train.lr_scaling": "optim.lr_scaling",
+    "train.weight_decay": "optim.weight_decay",
+    "train.schedule": "schedule.name",
+    "train.warmup_fraction": "schedule.warmup_fraction",
+    "train.min_lr_ratio": "schedule.min_lr_ratio",
+    "train.decay_fraction": "schedule.decay_fraction",
+    "train.milestones": "schedule.milestones",
+    "train.gamma": "schedule.gamma",
+    "train.eval_every": "eval.every",
+    "train.eval_at_start": "eval.at_start",
+    "train.eval_limit": "eval.limit",
+}
+EXTENDS = "extends"  # a config file's first key: the file it is read over
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What a config was built from: files in the order applied, overrides, and renamed keys read."""
+
+    files: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+    renamed: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        parts = [*self.files, *self.overrides] or ["the dataclass defaults"]
+        return "settings: " + " < ".join(parts)
+
+    def renamed_note(self) -> str | None:
+        fix = f"`python -m {__package__}.config sync FILE` rewrites a file with the new names"
+        return renamed_note(self.renamed, "the config", fix)
+
+
+def renamed_note(renamed, where: str, fix: str) -> str | None:
+    """One line naming the renamed keys `where` used, and what to do about them, or None."""
+    if not renamed:
+        return None
+    names = ", ".join(f"{old} -> {RENAMED[old]}" for old in dict.fromkeys(renamed))
+    return f"note: {where} names settings as they were before their sections were regrouped, read as {names}; {fix}"
+
+
+def load(paths: str | Path | typing.Sequence | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults <- each YAML file in order <- overrides, then validated."""
+    return compose(paths, overrides)[0]
+
+
+def compose(paths: str | Path | typing.Sequence | None, overrides: typing.Sequence[str] = ()) -> tuple[Config, Sources]:
+    """`load`, and what the config was built from."""
+    files = [paths] if isinstance(paths, (str, Path)) else list(paths or [])
+    tree, read, renamed = {}, [], []
+    for path in files:
+        for layer_path, layer in layers(Path(path)):
+            layer, old = upgrade(layer)
+            merge(tree, layer)
+            read.append(str(layer_path))
+            renamed += old
+    cfg = with_overrides(tree, overrides, renamed)
+    return cfg, Sources(tuple(read), tuple(overrides), tuple(renamed))
+
+
+def layers(path: Path, extending: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
+    """The file at `path` and what it extends, base first: (path, its settings)."""
+    if path.resolve() in extending:
+        chain = " -> ".join(str(p) for p in (*extending, path.resolve()))
+        raise ConfigError(f"config file {path}: `{EXTENDS}` goes round ({chain}); end it at a file without one")
+    tree = load_tree(path)
+    base = tree.pop(EXTENDS, None)
+    if base is None:
+        return [(path, tree)]
+    if not isinstance(base, str):
+        raise ConfigError(f"config file {path}: `{EXTENDS}: {base!r}` must name one YAML file from {path.parent}")
+    return [*layers(path.parent / base, (*extending, path.resolve())), (path, tree)]
 
 
 def load_tree(path: str | Path) -> dict:
@@ -215,10 +313,43 @@ def load_tree(path: str | Path) -> dict:
     return tree
 
 
-def with_overrides(tree: dict, overrides: typing.Sequence[str] = ()) -> Config:
-    """A validated Config from a settings tree (a YAML file's, a checkpoint's) and `a.b=value` overrides."""
+def upgrade(tree: dict) -> tuple[dict, list[str]]:
+    """`tree` (a config file's or a checkpoint's settings) with each key of RENAMED under its new
+    name, and the old names it held. A section left empty by the moves goes."""
+    tree = {name: dict(values) if isinstance(values, dict) else values for name, values in tree.items()}
+    moved = []
+    for old, new in RENAMED.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        if isinstance(tree.get(old_section), dict) and old_key in tree[old_section]:
+            if not isinstance(tree.get(new_section), dict):
+                tree[new_section] = {}
+            if new_key in tree[new_section]:
+                raise ConfigError(f"{old} and {new} name one setting: keep {new}, drop {old}")
+            tree[new_section][new_key] = tree[old_section].pop(old_key)
+            moved.append(old)
+            if not tree[old_section] and old_section not in typing.get_type_hints(Config):
+                del tree[old_section]
+    return tree, moved
+
+
+def merge(tree: dict, layer: dict) -> None:
+    """Apply `layer`'s sections over `tree`'s, key by key."""
+    for name, values in layer.items():
+        if isinstance(values, dict) and isinstance(tree.get(name), dict):
+            tree[name].update(values)
+        else:
+            tree[name] = dict(values) if isinstance(values, dict) else values
+
+
+def with_overrides(tree: dict, overrides: typing.Sequence[str] = (), renamed: list | None = None) -> Config:
+    """A validated Config from a settings tree (files', a checkpoint's) and `a.b=value` overrides;
+    an override of a renamed key sets its new name (and is listed in `renamed`)."""
     for item in overrides:
         key, value = parse_override(item)
+        if key in RENAMED:
+            key = RENAMED[key]
+            if renamed is not None:
+                renamed.append(item.partition("=")[0].strip())
         set_path(tree, key, value)
     return from_dict(tree)
 
@@ -226,7 +357,7 @@ def with_overrides(tree: dict, overrides: typing.Sequence[str] = ()) -> Config:
 def parse_override(item: str) -> tuple[str, object]:
     key, sep, raw = item.partition("=")
     if not sep or not key or "." not in key:
-        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=3e-4")
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-4")
     try:
         return key.strip(), yaml.safe_load(raw)
     except yaml.YAMLError:
@@ -241,6 +372,24 @@ def set_path(tree: dict, key: str, value: object) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is not a section")
     node[leaf] = value
+
+
+def add_config_option(parser, what: str = "the run's settings") -> None:
+    """`--config FILE`, as many as wanted, applied in order (default: configs/default.yaml)."""
+    parser.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        help=f"YAML file with {what}; repeat to apply files in order (default: {DEFAULT_FILE})",
+    )
+
+
+def files(chosen: list[str] | None) -> list[str]:
+    """The --config files given, or configs/default.yaml."""
+    return chosen or [DEFAULT_FILE]
+
+
+DEFAULT_FILE = "configs/default.yaml"
 
 
 def from_dict(tree: dict) -> Config:
@@ -333,17 +482,20 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def save(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML; `load(path)` reads it back unchanged."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def save(cfg: Config, path: str | Path, sources: Sources | None = None) -> None:
+    """Write the resolved config as YAML, headed by what it was built from; `load(path)` reads it
+    back unchanged."""
+    built = f"# {sources.describe()}\n" if sources else ""
+    Path(path).write_text(built + yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 HEADER = """\
 # Every setting of a run. Override any of them on the command line: section.key=value
-# (e.g. `scripts/train.sh train.lr=3e-4 run.name=lr3e-4`). The resolved config is saved
-# to runs/<name>/config.yaml and inside every checkpoint. The keys and comments come from
-# the dataclasses (config.py, model.py, data.py): after adding a setting there, run
-# `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`; values here are kept.
+# (e.g. `scripts/train.sh optim.lr=3e-4 run.name=lr3e-4`), or in a file of your own passed after
+# this one (`--config configs/default.yaml --config experiments/mine.yaml`), which names only what
+# it changes. The resolved config is saved to runs/<name>/config.yaml and inside every checkpoint.
+# The keys and comments come from the dataclasses (config.py, model.py, data.py): after adding a
+# setting there, run `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`; values here are kept.
 """
 COMMENT_COLUMN = 24
 
@@ -358,16 +510,18 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def render_yaml(cfg: Config) -> str:
-    """Every setting with its value and the comment from its dataclass: the text of default.yaml."""
-    lines = [HEADER.rstrip("\n")]
+def render_yaml(cfg: Config, only: dict | None = None, head: str = HEADER) -> str:
+    """Settings with their values and the comments of their dataclass fields, under `head`: every
+    setting (the text of default.yaml), or those `only` names (an experiment file's)."""
+    lines = [head.rstrip("\n")]
     for name in typing.get_type_hints(Config):
         section = getattr(cfg, name)
         comments = field_comments(type(section))
-        lines += ["", f"{name}:"]
-        for f in dataclasses.fields(section):
-            head = f"  {f.name}: {_yaml_scalar(getattr(section, f.name))}"
-            lines.append(f"{head.ljust(COMMENT_COLUMN - 1)}  # {comments.get(f.name, '')}".rstrip())
+        keys = [f.name for f in dataclasses.fields(section) if only is None or f.name in only.get(name, {})]
+        lines += ["", f"{name}:"] if keys else []
+        for key in keys:
+            head_line = f"  {key}: {_yaml_scalar(getattr(section, key))}"
+            lines.append(f"{head_line.ljust(COMMENT_COLUMN - 1)}  # {comments.get(key, '')}".rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -376,31 +530,40 @@ def _yaml_scalar(value) -> str:
 
 
 def sync(path: str | Path) -> list[str]:
-    """Rewrite a config file from the dataclasses, keeping its values; returns what it dropped:
-    unknown sections and keys, and values of another type than their setting now has. The new text
-    is checked whole, every rule run as load() runs them, before it replaces the file at once: a
-    problem is a ConfigError and leaves the file as it was."""
-    tree = load_tree(path)
+    """Rewrite a config file from the dataclasses, keeping its values; returns what changed: each
+    renamed key (old -> new), each unknown section or key and each value of another type than its
+    setting now has (dropped). A file that `extends` another keeps naming only what it sets; any
+    other gets every setting. The new text is checked whole, every rule run as load() runs them,
+    before it replaces the file at once: a problem is a ConfigError and leaves the file as it was."""
+    raw = load_tree(path)
+    base = raw.pop(EXTENDS, None)
+    tree, moved = upgrade(raw)
     sections = typing.get_type_hints(Config)
-    dropped, kept = [], {}
+    changed, kept = [f"{old} -> {RENAMED[old]}" for old in moved], {}
     for name, values in tree.items():
         if name not in sections or not isinstance(values, dict | None):
-            dropped.append(f"{name} (not a section)")
+            changed.append(f"{name} (not a section): dropped")
             continue
         hints = typing.get_type_hints(sections[name], include_extras=True)
         kept[name] = {}
         for key, value in (values or {}).items():
             problem = "an unknown key" if key not in hints else type_problem(f"{name}.{key}", value, hints[key])
             if problem:
-                dropped.append(f"{name}.{key}={value!r} ({problem})")
+                changed.append(f"{name}.{key}={value!r} ({problem}): dropped")
             else:
                 kept[name][key] = value
-    text = render_yaml(from_dict(kept))
-    from_dict(yaml.safe_load(text))  # the file as load() will read it
+    if base is None:
+        text = render_yaml(from_dict(kept))
+    else:
+        comments = "".join(line + "\n" for line in Path(path).read_text().splitlines() if line.startswith("#"))
+        text = render_yaml(from_dict(kept), kept, comments + f"{EXTENDS}: {_yaml_scalar(base)}\n")
+    checked = yaml.safe_load(text)
+    checked.pop(EXTENDS, None)
+    from_dict(checked)  # the file as load() will read it
     partial = Path(path).with_name(f".{Path(path).name}.partial")
     partial.write_text(text)
     os.replace(partial, path)
-    return dropped
+    return changed
 
 
 def type_problem(key: str, value, expected) -> str | None:
@@ -431,12 +594,12 @@ def seam_values_off_default(path: str | Path) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Rewrite a config file from the dataclasses, keeping its values.")
     parser.add_argument("command", choices=["sync"])
-    parser.add_argument("path", nargs="?", default="configs/default.yaml")
+    parser.add_argument("path", nargs="?", default=DEFAULT_FILE)
     args = parser.parse_args(argv)
     with exit_on_user_error():
-        dropped = sync(args.path)
+        changed = sync(args.path)
         kept = seam_values_off_default(args.path)
-    print(f"wrote {args.path}" + (f"; dropped {', '.join(dropped)}" if dropped else ""))
+    print(f"wrote {args.path}" + (f"; {', '.join(changed)}" if changed else ""))
     if kept:
         print(f"kept, check they fit your model and data: {', '.join(kept)}")
     return 0

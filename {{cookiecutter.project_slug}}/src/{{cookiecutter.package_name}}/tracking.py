@@ -83,7 +83,7 @@ def timeline_up_to(run_dir: RunDir, step: int) -> list[dict]:
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, str]:
-    """{"train": {"lr": 0.001}} -> {"train.lr": "0.001"}: MLflow's params are flat strings."""
+    """{"optim": {"lr": 0.001}} -> {"optim.lr": "0.001"}: MLflow's params are flat strings."""
     items = {}
     for key, value in tree.items():
         if isinstance(value, dict):

@@ -159,7 +159,12 @@ class ScalingRunFailed(Exception):
 
 
 def scaling(
-    cfg_path: str, overrides: list[str], nproc: int, steps: int, stop: processes.StopSignals, out_dir: str | None = None
+    cfg_paths: list[str],
+    overrides: list[str],
+    nproc: int,
+    steps: int,
+    stop: processes.StopSignals,
+    out_dir: str | None = None,
 ) -> dict:
     """Train `steps` steps on 1 process and on `nproc`, then compare steady-state throughput and
     the split of a step's time. The runs are kept in out_dir (scale1/, scaleN/) when given. Each
@@ -177,8 +182,7 @@ def scaling(
                 f"--nproc_per_node={n}",
                 "-m",
                 f"{PROJECT_PACKAGE}.train",
-                "--config",
-                cfg_path,
+                *(part for path in cfg_paths for part in ("--config", path)),
                 *overrides,
                 f"run.out_dir={out}",
                 f"run.name=scale{n}",
@@ -225,7 +229,7 @@ def scaling_report(results: dict, nproc: int) -> str:
     hint = (
         "raise data.num_workers or make loading cheaper"
         if data >= comm
-        else "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect"
+        else "raise per-device batch, grad_accum_steps or parallel.bucket_cap_mb; check the interconnect"
     )
     rows = [f"{'ms per step':<13}{'data wait':>10}{'fwd+bwd':>10}{'optimizer':>10}{'other':>10}{'step':>10}"]
     for n, label in ((1, "1 process"), (nproc, f"{nproc} processes")):
@@ -255,7 +259,7 @@ def memory_report(cfg: Config, model: torch.nn.Module, ranks: int, gpu_gb: float
     params = sum(p.numel() for p in model.parameters())
     lines = [f"{params:,} parameters, {len(units)} FSDP units; weights, gradients and optimizer state per device:"]
     for strategy in ("ddp", "fsdp"):
-        setting = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy=strategy))
+        setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
         needed = sharding.static_memory_bytes(model, units, setting, ranks)
         fits = "yes" if needed <= gpu_gb * 1e9 else "no"
         size = f"{needed / 1e9:.2f} GB" if needed >= 1e8 else f"{needed / 1e6:.1f} MB"
@@ -266,7 +270,7 @@ def memory_report(cfg: Config, model: torch.nn.Module, ranks: int, gpu_gb: float
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["doctor", "unused", "scaling", "memory"])
-    parser.add_argument("--config", default="configs/default.yaml")
+    config.add_config_option(parser)
     parser.add_argument("--nproc", type=int, default=None, help="processes per node (default: GPUs, else 2)")
     ports = f"ports to check (default 29500 and {launch.DEFAULT_MASTER_PORT})"
     parser.add_argument("--port", type=int, action="append", help=ports)
@@ -277,7 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     with exit_on_user_error():
-        cfg = config.load(args.config, args.overrides)
+        cfg = config.load(config.files(args.config), args.overrides)
     if args.command == "doctor":
         rows = doctor(cfg, args.nproc, args.port or [29500, launch.DEFAULT_MASTER_PORT])
         print(checks.table("doctor", rows))
@@ -289,17 +293,18 @@ def main(argv=None) -> int:
     if args.command == "unused":
         names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
         if not names:
-            print("every parameter gets a gradient: keep dist.find_unused_parameters=false")
+            print("every parameter gets a gradient: keep parallel.find_unused_parameters=false")
             return 0
         print(
             "parameters without a gradient after one step (freeze them with requires_grad_(False), "
-            "remove them, or set dist.find_unused_parameters=true at a 10-20% cost):"
+            "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
         )
         print("\n".join(f"  {name}" for name in names))
         return 1
     nproc = args.nproc or torch.cuda.device_count() or 2
     try:
-        results = scaling(args.config, args.overrides, nproc, args.steps, processes.StopSignals(), args.out)
+        paths, stop = config.files(args.config), processes.StopSignals()
+        results = scaling(paths, args.overrides, nproc, args.steps, stop, args.out)
     except processes.Stopped as stopped:
         sys.stderr.write(f"diagnose scaling stopped by {stopped}\n")
         return stopped.exit_code

@@ -36,7 +36,9 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="a folder that does not exist yet (or is empty), or an s3:// URL")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. dataset.root=/data/images")
-    parser.add_argument("--config", default="configs/default.yaml", help="YAML file with the dataset's settings")
+    # as config.add_config_option, without importing the settings (and torch) into this small supervisor
+    files = "YAML file with the dataset's settings; repeat to apply files in order (default: configs/default.yaml)"
+    parser.add_argument("--config", action="append", metavar="FILE", help=files)
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="processes that pack")
     parser.add_argument("--chunk-mb", type=float, default=64.0, help="chunk size in MB (litdata's default: 64)")
     parser.add_argument("--seed", type=int, default=0, help="draws the order of the training records on disk")

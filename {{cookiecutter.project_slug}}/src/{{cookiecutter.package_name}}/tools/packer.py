@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     with exit_on_user_error():
         if pack.is_url(args.out) and not shards.is_remote(args.out):
             raise ConfigError(f"pack: {args.out}: write to a folder or an s3:// URL")
-        cfg = config.load(args.config, args.overrides)
+        cfg = config.load(config.files(args.config), args.overrides)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=None))  # pack the source data
         shards.require_litdata("the pack command")
         options = (args.stage, args.workers, args.chunk_mb, args.seed)

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from .. import extras, records, task
+from ..config import upgrade
 from ..profiling import SPLIT
 from ..rules import ConfigError, exit_on_user_error
 from ..rundir import RunDir
@@ -26,8 +27,8 @@ from ..rundir import RunDir
 SETTINGS = (  # always shown; any other setting that differs between the runs compared is shown too
     "data.batch_size",
     "train.grad_accum_steps",
-    "train.lr",
-    "train.lr_scaling",
+    "optim.lr",
+    "optim.lr_scaling",
     "train.precision",
     "train.compile",
     "train.epochs",
@@ -75,7 +76,8 @@ def read_run(run_dir: RunDir, label: str) -> Run:
     if not run_dir.metrics.exists():
         raise ConfigError(f"report: {run_dir.metrics} does not exist; pass a run directory such as runs/default")
     logged = records.read(run_dir.metrics)
-    settings = flatten(yaml.safe_load(run_dir.config.read_text()) or {}) if run_dir.config.exists() else {}
+    saved = yaml.safe_load(run_dir.config.read_text()) or {} if run_dir.config.exists() else {}
+    settings = flatten(upgrade(saved)[0])  # a run made before the settings' sections were regrouped too
     timeline = records.current_timeline(logged)
     return Run(
         label=label,

@@ -142,8 +142,8 @@ def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
 
 
 def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
-    if not cfg.train.sync_batchnorm:
-        return SKIP, "train.sync_batchnorm is off"
+    if not cfg.parallel.sync_batchnorm:
+        return SKIP, "parallel.sync_batchnorm is off"
     if info.device.type != "cuda" or not info.distributed:
         return SKIP, "SyncBatchNorm needs CUDA and more than one process"
     if not train.has_batchnorm(model):
@@ -193,7 +193,7 @@ def _loss_trend(logged: list[dict]) -> tuple[str, str]:
 
 def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[str, str]:
     if dist.sharded(job.model):
-        return SKIP, "train.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
+        return SKIP, "parallel.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
     if not isinstance(job.model, DDP):
         return SKIP, "a world of one has no gradient communication"
     expected = job.state.step + 1  # the gradient check made one all-reducing backward
@@ -233,8 +233,8 @@ SMOKE_RUN = [
     "train.max_steps=40",
     "run.log_every=5",
     "checkpoint.every_steps=20",
-    "train.eval_every=null",
-    "train.eval_limit=512",
+    "eval.every=null",
+    "eval.limit=512",
     "dist.timeout_minutes=5",
     "run.trackers=[]",
 ]
@@ -242,12 +242,12 @@ SMOKE_RUN = [
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/default.yaml", help="the run to check (default: yours)")
+    config.add_config_option(parser, "the run to check (yours by default)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     info = DistInfo.from_env()
     with exit_on_user_error():
-        cfg = config.load(args.config, [*SMOKE_RUN, *args.overrides])
+        cfg = config.load(config.files(args.config), [*SMOKE_RUN, *args.overrides])
         train.check_hardware(cfg, info)
         sharding.check(cfg, info.device)
         checkpoint.check(config.to_dict(cfg))  # the round trip saves as the run would
