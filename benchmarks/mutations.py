@@ -152,7 +152,7 @@ MUTANTS = [
         "clip not applied",
         "gradient clipping",
         TRAIN,
-        "        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)\n",
+        "        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)\n",
         "",
     ),
     Mutant(
@@ -373,12 +373,12 @@ MUTANTS = [
         "fsdp clip over the local shard only",
         "FSDP clips the whole gradient's norm",
         TRAIN,
-        "        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)",
+        "        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)",
         # clip_grad_norm_'s own formula, over each rank's shard instead of the whole gradient
         "        grads = [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()]\n"
-        "        total = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
+        "        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
         "        for g in grads:\n"
-        "            g.mul_((cfg.train.grad_clip / (total + 1e-6)).clamp(max=1.0))",
+        "            g.mul_((cfg.train.grad_clip / (norm + 1e-6)).clamp(max=1.0))",
     ),
     Mutant(
         "fsdp no gradient sync on the last micro-batch",

@@ -5,9 +5,11 @@ import math
 
 import pytest
 import torch
+from conftest import SMOKE_CONFIG, read_metrics
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DistributedSampler
 
-from {{ cookiecutter.package_name }} import metrics, profiling
+from {{ cookiecutter.package_name }} import config, metrics, profiling, records, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.metrics import Totals, TrainingLog, real_sample_mask
 from {{ cookiecutter.package_name }}.profiling import StepClock
@@ -68,30 +70,34 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
     board = RecordingBoard()
     log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0, board=board)
     clock = StepClock(info.device)
-    for _ in range(2):  # as train_one_epoch times a step
+    for grad_norm in (3.0, 5.0):  # as train_one_epoch times a step
         with clock.data_wait:
             virtual.sleep(0.02)
         with clock.fwd_bwd:
             virtual.sleep(0.06)
         with clock.optimizer:
             virtual.sleep(0.005)
-        log.record(torch.tensor(4.0), terms=2.0, samples=2)
+        log.record(torch.tensor(4.0), terms=2.0, samples=2, grad_norm=torch.tensor(grad_norm))
         virtual.sleep(0.003)  # outside every phase: the loop's own time
     window = log.flush(step=2, epoch=0, lr=0.1, seconds=clock.read(), stop_requested=False)
     record = window.record
     assert record["loss"] == 2.0 and record["start_step"] == 0 and record["kind"] == "train"
+    assert record["grad_norm"] == 4.0 and records.scalars(record)["train/grad_norm"] == 4.0  # every sink's tag
     assert window.first_step == 1 and window.losses_finite and not window.stop_requested
     split = {"data_wait_ms": 20, "fwd_bwd_ms": 60, "optimizer_ms": 5, "other_ms": 3, "step_ms": 88}
     assert {name: record[name] for name in split} == pytest.approx(split), record
     assert record["samples_per_s"] == pytest.approx(4 / 0.176)
     assert record["data_wait_share"] == pytest.approx(record["data_wait_ms"] / record["step_ms"])
-    assert "data wait 23% | 88.0 ms/step: fwd+bwd 60.0, optimizer 5.0, other 3.0" in capsys.readouterr().out
+    line = capsys.readouterr().out
+    assert "step 2 | epoch 0 | loss 2.0000 | grad norm 4 | lr 1.00e-01" in line
+    assert "data wait 23% | 88.0 ms/step: fwd+bwd 60.0, optimizer 5.0, other 3.0" in line
     written = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert board.records == [written] and "stop" not in written
     log.record(torch.tensor(math.nan), terms=2.0, samples=2)
     virtual.sleep(0.01)
     window = log.flush(step=4, epoch=0, lr=0.1, seconds=clock.read(), stop_requested=True)
     assert window.record["fwd_bwd_ms"] == 0  # the clock restarts each window
+    assert "grad_norm" not in window.record  # train.grad_clip=null: no norm computed
     assert window.first_step == 3 and not window.losses_finite and window.stop_requested
     log.close()
     assert board.records[-1] == "closed"
@@ -120,3 +126,23 @@ def test_throughput_and_mfu_count_every_rank_and_accumulated_sample():
     assert "MFU against 1.0 TFLOPS per device (run.peak_tflops)" in log.mfu_note()
     plain = TrainingLog(info, "/dev/null", 1, 0)
     assert plain.speed(100.0) == {"samples_per_s": 100.0} and "no FLOPs estimate" in plain.mfu_note()
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_log_records_the_gradient_norm_clipping_found_before_it_clipped(tmp_path):
+    norms = []  # what the optimizer is given: the clipped gradients' norm
+    hook = register_optimizer_step_pre_hook(lambda optimizer, *_: norms.append(gradient_norm(optimizer)))
+    settings = [f"run.out_dir={tmp_path}", "run.tensorboard=false", "data.num_workers=0", "run.log_every=1"]
+    try:
+        cfg = config.load(SMOKE_CONFIG, [*settings, "train.max_steps=3", "train.grad_clip=1e-3"])
+        assert train.run(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")) == 0
+    finally:
+        hook.remove()
+    logged = [r["grad_norm"] for r in records.of_kind(read_metrics(cfg.run_dir.root), records.TRAIN)]
+    assert norms == pytest.approx([1e-3] * 3, rel=1e-3)  # clipped
+    assert len(logged) == 3 and min(logged) > 1e-2  # the norms before clipping: a first step's, far above
+
+
+def gradient_norm(optimizer) -> float:
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()

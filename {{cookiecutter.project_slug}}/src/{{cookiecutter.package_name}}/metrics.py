@@ -123,15 +123,20 @@ class TrainingLog:
 
     def reset(self) -> None:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
-        self.terms, self.samples, self.steps = 0.0, 0, 0
+        self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        self.terms, self.samples, self.steps, self.norms = 0.0, 0, 0, 0
         self.window_start = time.perf_counter()
 
-    def record(self, loss_sum: torch.Tensor, terms: float, samples: int) -> None:
-        """One optimizer step of this rank: its summed loss (on the device) and its loss terms."""
+    def record(self, loss_sum: torch.Tensor, terms: float, samples: int, grad_norm: torch.Tensor | None = None) -> None:
+        """One optimizer step of this rank: its summed loss (on the device), its loss terms, and the
+        gradient norm clipping found (the same on every rank; None without clipping)."""
         self.loss_sum += loss_sum
         self.terms += terms
         self.samples += samples
         self.steps += 1
+        if grad_norm is not None:
+            self.grad_norm_sum += grad_norm
+            self.norms += 1
 
     def flush(self, step: int, epoch: int, lr: float, seconds: dict[str, float], stop_requested: bool) -> Window:
         """End the window at `step`: reduce it over ranks, write and print its record.
@@ -141,8 +146,9 @@ class TrainingLog:
         own_window = time.perf_counter() - self.window_start
         host = [self.terms, self.samples, float(stop_requested), own_window, *seconds.values()]
         host += self.peak_memory_slots()
-        local = torch.cat([self.loss_sum.view(1), torch.tensor(host, dtype=torch.float64).to(self.info.device)])
-        loss_sum, terms, samples, stops, windows, *rest = all_reduce_sum(local).tolist()
+        sums = [self.loss_sum.view(1), self.grad_norm_sum.view(1)]
+        local = torch.cat([*sums, torch.tensor(host, dtype=torch.float64).to(self.info.device)])
+        loss_sum, grad_norm_sum, terms, samples, stops, windows, *rest = all_reduce_sum(local).tolist()
         phases = dict(zip(seconds, rest[: len(seconds)], strict=True))  # seconds summed over ranks
         peaks = rest[len(seconds) :]
         elapsed = windows / self.info.world_size  # the window's mean length over ranks
@@ -153,6 +159,7 @@ class TrainingLog:
             "epoch": epoch,
             "loss": loss_sum / max(terms, 1.0),  # per loss term over every rank: exact, not a mean of means
             "lr": lr,
+            **({"grad_norm": grad_norm_sum / (self.norms * self.info.world_size)} if self.norms else {}),
             "samples_per_s": samples / elapsed,
             "data_wait_share": phases["data_wait"] / (elapsed * self.info.world_size),
             **self.split_ms(elapsed, phases),
@@ -167,8 +174,9 @@ class TrainingLog:
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", speed=self.speed_text(record))
         if self.bar.disable:
+            norm = f" | grad norm {record['grad_norm']:.3g}" if "grad_norm" in record else ""
             self.print(
-                f"step {step} | epoch {epoch} | loss {record['loss']:.4f} | lr {lr:.2e} | "
+                f"step {step} | epoch {epoch} | loss {record['loss']:.4f}{norm} | lr {lr:.2e} | "
                 f"{self.speed_text(record)} | data wait {record['data_wait_share']:.0%} | "
                 f"{record['step_ms']:.1f} ms/step: fwd+bwd {record['fwd_bwd_ms']:.1f}, "
                 f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"

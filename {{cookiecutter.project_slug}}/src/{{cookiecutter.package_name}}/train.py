@@ -311,10 +311,10 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, sto
         with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
             loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
         with clock.optimizer:
-            optimizer_step(job.model, state, cfg)
+            grad_norm = optimizer_step(job.model, state, cfg)
         state.step += 1
         state.batch_in_epoch += accum
-        log.record(loss_sum, terms, accum * cfg.data.batch_size)
+        log.record(loss_sum, terms, accum * cfg.data.batch_size, grad_norm)
         if job.profiler is not None:  # run.profile_steps; when off, this check is all it costs
             job.profiler.after_step(state.step)
         due = Due.after(state.step, cfg, job.total_steps)
@@ -397,14 +397,19 @@ def autocast(cfg: Config, info: DistInfo):
     )
 
 
-def optimizer_step(model: nn.Module, state: TrainState, cfg: Config) -> None:
+def optimizer_step(model: nn.Module, state: TrainState, cfg: Config) -> torch.Tensor | None:
+    """Clip, step, zero the gradients, step the schedule; returns the gradient norm before clipping
+    (on the device, the same on every rank), or None when train.grad_clip is off."""
+    norm = None
     if cfg.train.grad_clip is not None:
         state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # fsdp: a DTensor, replicated
     state.scaler.step(state.optimizer)  # fp16: skipped if the gradients overflowed
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)  # frees the memory instead of writing zeros
     state.scheduler.step()
+    return norm
 
 
 def check_finite(window: Window, cfg: Config) -> None:
