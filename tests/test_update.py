@@ -5,8 +5,11 @@ The cruft tests work on a git repository made from the template's working tree a
 """
 
 import json
+import os
+import shutil
 import stat
 import subprocess
+import sys
 
 import pytest
 from conftest import BIN, TEMPLATE, bake
@@ -29,7 +32,7 @@ def private_home(tmp_path, monkeypatch):
         monkeypatch.setenv(f"GIT_{role}_EMAIL", "test@example.invalid")
 
 
-def sh(cwd, *command, check=True, stdin=None) -> subprocess.CompletedProcess:
+def sh(cwd, *command, check=True, stdin=None, text_output=True) -> subprocess.CompletedProcess:
     """Run a command; without `stdin` a prompt reads end-of-file instead of waiting for the test's terminal."""
     result = subprocess.run(
         [str(c) for c in command],
@@ -37,7 +40,7 @@ def sh(cwd, *command, check=True, stdin=None) -> subprocess.CompletedProcess:
         input=stdin,
         stdin=None if stdin is not None else subprocess.DEVNULL,
         capture_output=True,
-        text=True,
+        text=text_output,
         timeout=180,
     )
     if check and result.returncode != 0:
@@ -196,3 +199,62 @@ def test_replaying_the_recorded_answers_reproduces_the_project_byte_for_byte(tmp
     assert sorted(second) == sorted(first)
     assert [name for name in first if first[name] != second[name]] == []  # same bytes, same modes
     assert "precision: fp16" in (tmp_path / "again" / "vision-net" / "configs" / "default.yaml").read_text()
+
+
+# The last template commit before the package's modules moved into loop/ and base/ and the settings
+# were regrouped by concern: a project made from it, with a run on disk, updates to today's template
+PREVIOUS_LAYOUT = "35f31bedcc0d7077b24b5f369bc8192745bb3ee5"
+USER_EDIT = ("nn.ReLU()", "nn.GELU()")  # the user's own change behind the seam
+
+
+def template_history(tmp_path, first: str):
+    """A repository whose first commit is the template at commit `first` (of this checkout's history)
+    and whose second is the template's working tree now."""
+    repo = tmp_path / "template"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    archive = sh(TEMPLATE, "git", "archive", "--format=tar", first, text_output=False).stdout
+    subprocess.run(["tar", "-x", "-C", str(repo)], input=archive, check=True)
+    old = commit_all(repo, "the template before")
+    for path in repo.iterdir():
+        if path.name != ".git":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    now = template_repo(tmp_path / "now")
+    shutil.copytree(now, repo, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
+    return repo, old, commit_all(repo, "the template now")
+
+
+def train(project, *overrides: str) -> subprocess.CompletedProcess:
+    """One process, the tests' tiny run, as the project's own python would run it."""
+    command = [sys.executable, "-m", "ddp_trainer.train", "--config", "configs/smoke.yaml", *overrides]
+    env = os.environ | {"PYTHONPATH": str(project / "src"), "OMP_NUM_THREADS": "1"}
+    quiet = ["run.tensorboard=false", "data.num_workers=0", "checkpoint.every_steps=4"]
+    return subprocess.run([*command, *quiet], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    subprocess.run(["git", "-C", str(TEMPLATE), "cat-file", "-e", PREVIOUS_LAYOUT], capture_output=True).returncode,
+    reason=f"needs the template's history back to {PREVIOUS_LAYOUT[:7]}: git fetch --unshallow",
+)
+def test_a_project_of_the_previous_layout_updates_keeps_the_users_edit_and_resumes_its_run(tmp_path):
+    repo, old, now = template_history(tmp_path, PREVIOUS_LAYOUT)
+    cruft(tmp_path, "create", repo, "--no-input", "--checkout", old, "--output-dir", tmp_path / "out")
+    project = tmp_path / "out" / "ddp-trainer"
+    start_history(project)
+    model = project / "src" / "ddp_trainer" / "model.py"
+    model.write_text(model.read_text().replace(*USER_EDIT))
+    commit_all(project, "my activation")
+    finished = train(project, "train.max_steps=4")
+    assert finished.returncode == 0 and "done: 4 steps" in finished.stdout, finished.stderr[-3000:]
+
+    cruft(project, "update", "--skip-apply-ask", "--checkout", now)
+    assert not list(project.rglob("*.rej"))
+    assert USER_EDIT[1] in model.read_text() and "from .base.rules import PositiveInt" in model.read_text()
+    assert (project / "src" / "ddp_trainer" / "loop" / "checkpoint.py").exists()
+    assert not (project / "src" / "ddp_trainer" / "checkpoint.py").exists()
+    resumed = train(project, "train.max_steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from runs/smoke/checkpoints/step_00000004.pt at step 4" in resumed.stdout
+    assert "names settings as they were before their sections were regrouped" in resumed.stdout
+    assert "done: 6 steps" in resumed.stdout
