@@ -18,6 +18,7 @@ COMMON_FILES = {
     "pyproject.toml",
     "configs/default.yaml",
     "configs/smoke.yaml",
+    "experiments/example.yaml",
     "examples/image_classifier/data.py",
     "examples/image_classifier/model.py",
     "examples/language_model/data.py",

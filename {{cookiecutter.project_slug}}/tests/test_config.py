@@ -164,7 +164,7 @@ def test_a_file_that_extends_another_is_read_over_it_relative_to_its_own_folder(
     experiment.write_text("extends: ../configs/base.yaml\noptim:\n  lr: 0.5\n")
     cfg, sources = config.compose(experiment)
     assert (cfg.data.batch_size, cfg.optim.lr) == (12, 0.5)
-    assert sources.files == (str(tmp_path / "experiments" / "../configs/base.yaml"), str(experiment))
+    assert sources.files == (str(base), str(experiment))
     base.write_text("extends: ../experiments/x.yaml\n")
     with pytest.raises(ConfigError, match="`extends` goes round"):
         config.load(experiment)
@@ -270,3 +270,12 @@ def test_a_checkpoint_of_the_previous_layout_resumes_with_a_note_and_no_setting_
     assert f"note: {written.name} names settings as they were before their sections were regrouped" in out
     assert "settings changed since it was written: train.max_steps 4 -> 6;" in out  # the one change made
     assert f"resumed from {written} at step 4" in out and "done: 6 steps" in out
+
+
+@pytest.mark.parametrize("experiment", sorted((PROJECT / "experiments").glob("*.yaml")), ids=lambda path: path.name)
+def test_an_experiment_file_changes_only_what_it_names_over_default_yaml(experiment):
+    named = config.load_tree(experiment)
+    assert named.pop(config.EXTENDS) == "../configs/default.yaml"
+    cfg, base = config.to_dict(config.load(experiment)), config.to_dict(config.load(DEFAULT_CONFIG))
+    changed = {section: {k: v for k, v in values.items() if base[section][k] != v} for section, values in cfg.items()}
+    assert {section: values for section, values in changed.items() if values} == named

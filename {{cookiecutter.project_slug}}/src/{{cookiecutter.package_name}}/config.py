@@ -297,7 +297,7 @@ def layers(path: Path, extending: tuple[Path, ...] = ()) -> list[tuple[Path, dic
         return [(path, tree)]
     if not isinstance(base, str):
         raise ConfigError(f"config file {path}: `{EXTENDS}: {base!r}` must name one YAML file from {path.parent}")
-    return [*layers(path.parent / base, (*extending, path.resolve())), (path, tree)]
+    return [*layers(Path(os.path.normpath(path.parent / base)), (*extending, path.resolve())), (path, tree)]
 
 
 def load_tree(path: str | Path) -> dict:
