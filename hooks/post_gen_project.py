@@ -173,7 +173,7 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
     ]
     if answers["tracker"] != "tensorboard":
         tracker = answers["tracker"]
-        lines.append(f"  tracker: {tracker} on rank 0; set it up with its own variables (README: Tracked runs)")
+        lines.append(f"  tracker: {tracker} on rank 0; set it up with its own variables (docs/observability.md)")
     package = answers["package_name"]
     if answers["task"] == "image_classification":
         lines += [

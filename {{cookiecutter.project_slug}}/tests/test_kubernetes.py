@@ -166,8 +166,8 @@ def test_the_jobsets_pods_find_pod_0_and_their_node_rank():
     assert env["PET_MASTER_ADDR"]["value"] == f"$(JOBSET_NAME)-{job['name']}-0-0.$(JOBSET_NAME)"
 
 
-def test_the_readme_states_what_the_manifests_set():
-    readme = (PROJECT / "README.md").read_text()
+def test_the_docs_state_what_the_manifests_set():
+    readme = (PROJECT / "docs" / "clusters.md").read_text()
     assert f"`terminationGracePeriodSeconds` ({grace_seconds()} s here)" in readme
     restarts = manifests()["JobSet"]["spec"]["failurePolicy"]["maxRestarts"]
     assert restarts == manifests()["TrainingRuntime"]["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"]

@@ -1,4 +1,4 @@
-"""The README's "Bring your own model and data" swaps, done exactly as it says: copy an
+"""docs/your-model-and-data.md's swaps, done exactly as it says: copy an
 example's seam files over src/<package>/, sync the config, then pass the smoke check (whose
 2-rank run must learn) and keep the proofs of the distributed maths."""
 

@@ -121,6 +121,6 @@ def check(cfg: Config) -> None:
         chosen = cfg.optim.name if setting == "optim.name" else cfg.schedule.name
         if chosen == "task" and not hasattr(task, function):
             raise ConfigError(
-                f"{setting}: task, but task.py has no {function}; define it (README: Bring your own model and "
-                f"data) or name a built-in one"
+                f"{setting}: task, but task.py has no {function}; define it (docs/your-model-and-data.md) or "
+                f"name a built-in one"
             )

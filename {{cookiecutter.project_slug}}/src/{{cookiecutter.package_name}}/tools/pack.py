@@ -15,7 +15,7 @@ The packing runs in a process of its own (packer.py) in a session of its own, an
 stays with it: a stop (Ctrl-C, TERM, HUP) at any moment ends the packer and every process it
 started, removes what it wrote and exits 130, 143 or 129 after one line; OUT gets nothing (a
 folder is packed into OUT.partial and renamed at the end; a URL gets pack.json last, and
-training refuses a pack without it). See the README's "Data at scale".
+training refuses a pack without it). See docs/data-at-scale.md.
 """
 
 from __future__ import annotations

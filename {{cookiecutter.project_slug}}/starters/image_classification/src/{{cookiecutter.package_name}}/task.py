@@ -1,7 +1,7 @@
 """The task seam of the image classifier: cross-entropy on (images, labels), top-1 and top-5.
 
-The loop, the smoke check and the diagnostics call only what `__all__` names (the README's
-"The task seam" says what each returns). The loss is a sum over images: the loop divides it
+The loop, the smoke check and the diagnostics call only what `__all__` names (docs/your-model-and-data.md
+says what each returns). The loss is a sum over images: the loop divides it
 by the images of every rank and micro-batch of the step. Evaluation returns per-image sums,
 so the loop can drop the images DistributedSampler repeats and the accuracies are exact
 whatever the world size.

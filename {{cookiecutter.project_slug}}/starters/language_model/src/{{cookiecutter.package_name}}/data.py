@@ -41,7 +41,7 @@ META = "meta.json"
 
 @dataclass
 class DatasetConfig:
-    dir: str | None = None  # written by the prepare command (see README); null: Python's own sources
+    dir: str | None = None  # written by the prepare command (docs/language-model.md); null: Python's own sources
     eval_share: Annotated[float, Rule(lambda v: 0 < v < 1, "use a share in (0, 1)")] = 0.1  # built-in corpus only
 
 

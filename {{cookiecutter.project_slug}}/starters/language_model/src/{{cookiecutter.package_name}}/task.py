@@ -1,7 +1,7 @@
 """The task seam of the language model: next-token cross-entropy on (inputs, targets) windows.
 
-The loop, the smoke check and the diagnostics call only what `__all__` names (the README's
-"The task seam" says what each returns). The loss is a sum over target tokens: the loop
+The loop, the smoke check and the diagnostics call only what `__all__` names (docs/your-model-and-data.md
+says what each returns). The loss is a sum over target tokens: the loop
 divides it by the tokens of every rank and micro-batch of the step, so the gradient is that of
 one process on the whole global batch, and stays exact if windows come to differ in length
 (padding, document boundaries). Evaluation returns sums per window; the loop drops the

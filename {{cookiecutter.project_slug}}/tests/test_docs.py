@@ -1,0 +1,107 @@
+"""The README and docs/ stay true: every command they show names a module, script, config file or
+setting that exists, every test they cite exists, every link lands, and the README stays a front
+door (under 250 lines, the rest in docs/)."""
+
+import ast
+import importlib
+import importlib.util
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+from conftest import PACKAGE, PROJECT
+
+from {{ cookiecutter.package_name }} import config
+
+PAGES = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
+FILE_SUFFIXES = {"py", "pt", "yaml", "json", "jsonl", "md", "sh", "sbatch", "png", "bin", "safetensors", "txt", "npy"}
+SETTING = re.compile(r"(?<![\w./-])(" + "|".join(config.Config.__dataclass_fields__) + r")\.([a-z_][a-z0-9_]*)\b(?!\()")
+# the earlier names of settings that moved: only the page that maps them may name them
+EARLIER_NAMES_PAGE = "updating.md"
+
+
+def text_of(page: Path) -> str:
+    """A page without its Python examples (their names are code, not settings or commands)."""
+    return re.sub(r"```python\n.*?```", "", page.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_module_a_page_runs_exists(page):
+    for module in set(re.findall(rf"python -m ({PACKAGE}(?:\.\w+)+)", text_of(page))):
+        assert importlib.util.find_spec(module) is not None, f"{page.name}: python -m {module}: no such module"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_setting_a_page_names_exists(page):
+    fields = {name: {f for f in type(section).__dataclass_fields__} for name, section in vars(config.Config()).items()}
+    for section, key in set(SETTING.findall(text_of(page))):
+        name = f"{section}.{key}"
+        if key in FILE_SUFFIXES or key in fields[section] or module_has(section, key):
+            continue
+        if name in config.RENAMED:
+            assert page.name == EARLIER_NAMES_PAGE, f"{page.name}: {name} is now {config.RENAMED[name]}"
+            continue
+        raise AssertionError(f"{page.name}: {name} is no setting of [{section}] (and no name of a module {section})")
+
+
+@cache
+def module_has(name: str, attribute: str) -> bool:
+    """Whether a module of the package called `name` (train, dist, config, ...) has `attribute`."""
+    for place in (f"{PACKAGE}.{name}", f"{PACKAGE}.loop.{name}", f"{PACKAGE}.base.{name}"):
+        try:
+            return hasattr(importlib.import_module(place), attribute)
+        except ModuleNotFoundError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_file_a_page_names_in_the_project_exists(page):
+    text = text_of(page)
+    for name in set(re.findall(r"(?<![\w/.-])((?:scripts|configs|experiments|k8s)/[\w.-]+\.\w+)", text)):
+        assert (PROJECT / name).exists(), f"{page.name}: {name} does not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_test_a_page_cites_exists(page):
+    cited = []
+    for line in text_of(page).splitlines():
+        current = None
+        for file, name in re.findall(r"(?:(test_\w+\.py))?::(test_\w+)", line):
+            current = file or current
+            cited.append((current, name))
+        for file in re.findall(r"`(?:tests/)?(test_\w+\.py)`", line):
+            cited.append((file, None))
+    for file, name in cited:
+        assert file is not None and (PROJECT / "tests" / file).exists(), f"{page.name}: tests/{file} does not exist"
+        if name is not None:
+            assert name in functions_of(file), f"{page.name}: {file}::{name} does not exist"
+
+
+@cache
+def functions_of(file: str) -> set[str]:
+    tree = ast.parse((PROJECT / "tests" / file).read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_link_between_pages_lands_on_a_page_and_heading(page):
+    for target, anchor in re.findall(r"\]\((?!https?:)([^)#\s]*)(?:#([^)\s]+))?\)", text_of(page)):
+        linked = (page.parent / target).resolve() if target else page
+        assert linked.exists(), f"{page.name}: the link to {target} lands nowhere"
+        if anchor:
+            assert anchor in headings(linked), f"{page.name}: {target}#{anchor} names no heading of {linked.name}"
+
+
+def headings(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them."""
+    titles = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-") for title in titles}
+
+
+def test_the_readme_is_a_front_door_and_links_every_page_of_docs():
+    readme = text_of(PROJECT / "README.md")
+    assert readme.count("\n") < 250, "the README grows past a front door: move the detail to a page of docs/"
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
+    assert linked == {page.name for page in (PROJECT / "docs").glob("*.md")}
