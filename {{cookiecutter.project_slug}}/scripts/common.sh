@@ -10,6 +10,18 @@ if [[ -n "${IFNAME:-}" ]]; then
   export NCCL_SOCKET_IFNAME="$IFNAME" GLOO_SOCKET_IFNAME="$IFNAME"
 fi
 
+# The config files to train with: configs/default.yaml, unless the arguments name files of their
+# own (which name it, or extend it, where they build on it). Sets CONFIG for "${CONFIG[@]}".
+config_files() {
+  CONFIG=(--config "$PROJECT_ROOT/configs/default.yaml")
+  local arg
+  for arg in "$@"; do
+    if [[ $arg == --config || $arg == --config=* ]]; then
+      CONFIG=()
+    fi
+  done
+}
+
 # torchrun on this node, under the node launcher: one process per visible GPU (NPROC_PER_NODE
 # overrides), threads sized to the CPUs, and a stop signal (Ctrl-C, TERM, HUP, USR1) becomes a
 # checkpoint on every rank and exit status 75; a second one stops at once.

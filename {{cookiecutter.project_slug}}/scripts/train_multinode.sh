@@ -30,5 +30,5 @@ else
   rendezvous=(--node-rank="$NODE_RANK" --master-addr="$MASTER_ADDR" --max-restarts="${MAX_RESTARTS:-0}"
     ${MASTER_PORT:+--master-port="$MASTER_PORT"})  # without it the launcher picks its default, 29622
 fi
-launch_node --nnodes="$NNODES" "${rendezvous[@]}" -m {{ cookiecutter.package_name }}.train \
-  --config "$PROJECT_ROOT/configs/default.yaml" "$@"  # a --config of yours comes later and wins
+config_files "$@"
+launch_node --nnodes="$NNODES" "${rendezvous[@]}" -m {{ cookiecutter.package_name }}.train ${CONFIG[@]+"${CONFIG[@]}"} "$@"

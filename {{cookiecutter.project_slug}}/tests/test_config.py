@@ -279,3 +279,17 @@ def test_an_experiment_file_changes_only_what_it_names_over_default_yaml(experim
     cfg, base = config.to_dict(config.load(experiment)), config.to_dict(config.load(DEFAULT_CONFIG))
     changed = {section: {k: v for k, v in values.items() if base[section][k] != v} for section, values in cfg.items()}
     assert {section: values for section, values in changed.items() if values} == named
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        (["optim.lr=3e-4"], ["--config", str(DEFAULT_CONFIG)]),
+        (["--config", "experiments/example.yaml", "optim.lr=3e-4"], []),
+        (["--config=configs/smoke.yaml"], []),
+    ],
+)
+def test_the_scripts_read_default_yaml_unless_the_arguments_name_config_files(arguments, expected):
+    shell = 'source scripts/common.sh; config_files "$@"; for arg in ${CONFIG[@]+"${CONFIG[@]}"}; do echo "$arg"; done'
+    result = subprocess.run(["bash", "-c", shell, "bash", *arguments], cwd=PROJECT, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.splitlines() == expected, result.stderr
