@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
-from {{ cookiecutter.package_name }} import config, rules, train
+from {{ cookiecutter.package_name }} import config, rules, train, typed_config
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rules import ConfigError
 
@@ -31,7 +31,7 @@ def dataclass_comments() -> dict[str, str]:
     return {
         f"{name}.{key}": comment
         for name, section in config.to_dict(config.Config()).items()
-        for key, comment in config.field_comments(type(getattr(config.Config(), name))).items()
+        for key, comment in typed_config.field_comments(type(getattr(config.Config(), name))).items()
     }
 
 
@@ -176,7 +176,7 @@ def test_sync_keeps_a_file_that_extends_another_to_the_settings_it_names(tmp_pat
     assert config.sync(experiment) == ["optim.gone=1 (an unknown key): dropped"]
     assert experiment.read_text() == (
         "# my experiment\nextends: default.yaml\n\noptim:\n"
-        f"  lr: 0.5{' ' * 14}  # {config.field_comments(config.OptimConfig)['lr']}\n"
+        f"  lr: 0.5{' ' * 14}  # {typed_config.field_comments(config.OptimConfig)['lr']}\n"
     )
 
 
@@ -274,8 +274,8 @@ def test_a_checkpoint_of_the_previous_layout_resumes_with_a_note_and_no_setting_
 
 @pytest.mark.parametrize("experiment", sorted((PROJECT / "experiments").glob("*.yaml")), ids=lambda path: path.name)
 def test_an_experiment_file_changes_only_what_it_names_over_default_yaml(experiment):
-    named = config.load_tree(experiment)
-    assert named.pop(config.EXTENDS) == "../configs/default.yaml"
+    named = typed_config.load_tree(experiment)
+    assert named.pop(typed_config.EXTENDS) == "../configs/default.yaml"
     cfg, base = config.to_dict(config.load(experiment)), config.to_dict(config.load(DEFAULT_CONFIG))
     changed = {section: {k: v for k, v in values.items() if base[section][k] != v} for section, values in cfg.items()}
     assert {section: values for section, values in changed.items() if values} == named

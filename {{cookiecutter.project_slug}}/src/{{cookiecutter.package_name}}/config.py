@@ -18,22 +18,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import os
-import re
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import yaml
 
+from . import typed_config
 from .data import DatasetConfig
 from .model import ModelConfig
-from .rules import ConfigError, PositiveFloat, PositiveInt, Rule, exit_on_user_error
+from .rules import ConfigError as ConfigError  # the error of every setting, as config.ConfigError too
+from .rules import PositiveFloat, PositiveInt, Rule, exit_on_user_error
 from .rundir import RunDir
+from .typed_config import EXTENDS, layers, load_tree, merge, parse_override, set_path, type_problem, yaml_scalar
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
@@ -239,7 +239,6 @@ RENAMED = {
     "train.eval_at_start": "eval.at_start",
     "train.eval_limit": "eval.limit",
 }
-EXTENDS = "extends"  # a config file's first key: the file it is read over
 
 
 @dataclass(frozen=True)
@@ -286,59 +285,10 @@ def compose(paths: str | Path | typing.Sequence | None, overrides: typing.Sequen
     return cfg, Sources(tuple(read), tuple(overrides), tuple(renamed))
 
 
-def layers(path: Path, extending: tuple[Path, ...] = ()) -> list[tuple[Path, dict]]:
-    """The file at `path` and what it extends, base first: (path, its settings)."""
-    if path.resolve() in extending:
-        chain = " -> ".join(str(p) for p in (*extending, path.resolve()))
-        raise ConfigError(f"config file {path}: `{EXTENDS}` goes round ({chain}); end it at a file without one")
-    tree = load_tree(path)
-    base = tree.pop(EXTENDS, None)
-    if base is None:
-        return [(path, tree)]
-    if not isinstance(base, str):
-        raise ConfigError(f"config file {path}: `{EXTENDS}: {base!r}` must name one YAML file from {path.parent}")
-    return [*layers(Path(os.path.normpath(path.parent / base)), (*extending, path.resolve())), (path, tree)]
-
-
-def load_tree(path: str | Path) -> dict:
-    """A config file's sections as YAML reads them."""
-    try:
-        tree = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as err:
-        raise ConfigError(f"config file {path}: {err.strerror}; pass an existing --config") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(tree).__name__}")
-    return tree
-
-
 def upgrade(tree: dict) -> tuple[dict, list[str]]:
     """`tree` (a config file's or a checkpoint's settings) with each key of RENAMED under its new
-    name, and the old names it held. A section left empty by the moves goes."""
-    tree = {name: dict(values) if isinstance(values, dict) else values for name, values in tree.items()}
-    moved = []
-    for old, new in RENAMED.items():
-        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
-        if isinstance(tree.get(old_section), dict) and old_key in tree[old_section]:
-            if not isinstance(tree.get(new_section), dict):
-                tree[new_section] = {}
-            if new_key in tree[new_section]:
-                raise ConfigError(f"{old} and {new} name one setting: keep {new}, drop {old}")
-            tree[new_section][new_key] = tree[old_section].pop(old_key)
-            moved.append(old)
-            if not tree[old_section] and old_section not in typing.get_type_hints(Config):
-                del tree[old_section]
-    return tree, moved
-
-
-def merge(tree: dict, layer: dict) -> None:
-    """Apply `layer`'s sections over `tree`'s, key by key."""
-    for name, values in layer.items():
-        if isinstance(values, dict) and isinstance(tree.get(name), dict):
-            tree[name].update(values)
-        else:
-            tree[name] = dict(values) if isinstance(values, dict) else values
+    name, and the old names it held."""
+    return typed_config.upgrade(tree, RENAMED, typing.get_type_hints(Config))
 
 
 def with_overrides(tree: dict, overrides: typing.Sequence[str] = (), renamed: list | None = None) -> Config:
@@ -352,26 +302,6 @@ def with_overrides(tree: dict, overrides: typing.Sequence[str] = (), renamed: li
                 renamed.append(item.partition("=")[0].strip())
         set_path(tree, key, value)
     return from_dict(tree)
-
-
-def parse_override(item: str) -> tuple[str, object]:
-    key, sep, raw = item.partition("=")
-    if not sep or not key or "." not in key:
-        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-4")
-    try:
-        return key.strip(), yaml.safe_load(raw)
-    except yaml.YAMLError:
-        return key.strip(), raw
-
-
-def set_path(tree: dict, key: str, value: object) -> None:
-    *parents, leaf = key.split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {key}: {part} is not a section")
-    node[leaf] = value
 
 
 def add_config_option(parser, what: str = "the run's settings") -> None:
@@ -393,89 +323,8 @@ DEFAULT_FILE = "configs/default.yaml"
 
 
 def from_dict(tree: dict) -> Config:
-    sections = {}
-    for name, cls in typing.get_type_hints(Config).items():
-        values = tree.get(name) or {}
-        if not isinstance(values, dict):
-            raise ConfigError(f"{name}: expected a mapping of keys, got {values!r}")
-        sections[name] = _build_section(name, cls, values)
-    unknown = set(tree) - set(sections)
-    if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: {', '.join(sections)}")
-    return Config(**sections)
-
-
-def _build_section(name: str, cls: type, values: dict):
-    hints = typing.get_type_hints(cls, include_extras=True)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                f"{name}.{key}: unknown key; known keys: {', '.join(sorted(known))}: fix its spelling, or, if "
-                f"{cls.__name__} changed, `python -m {__package__}.config sync <your config file>` drops its old keys"
-            )
-    return cls(**{key: _check_type(f"{name}.{key}", value, hints[key]) for key, value in values.items()})
-
-
-def _check_type(key: str, value, expected):
-    if typing.get_origin(expected) is Annotated:
-        value = _check_type(key, value, expected.__origin__)
-        for rule in expected.__metadata__:
-            if isinstance(rule, Rule) and not holds(rule, key, value):
-                raise ConfigError(f"{key}: {value!r} is invalid; {rule.fix}")
-        return value
-    if typing.get_origin(expected) in (Union, types.UnionType):
-        for option in typing.get_args(expected):
-            try:
-                return _check_type(key, value, option)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: {value!r} is not {_describe(expected)}")
-    if typing.get_origin(expected) is Literal:
-        if value not in typing.get_args(expected):
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, typing.get_args(expected)))}")
-        return value
-    if expected is type(None):
-        if value is not None:
-            raise ConfigError(f"{key}: {value!r} is not null")
-        return None
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is float and isinstance(value, str):
-        try:  # YAML 1.1 reads 3e-4 (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
-    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}: {value!r} is not {_describe(expected)}")
-    return value
-
-
-def holds(rule: Rule, key: str, value) -> bool:
-    """Whether `value` keeps the rule; a rule that fails to run is the setting's error, in one line."""
-    try:
-        return bool(rule.holds(value))
-    except Exception as err:
-        raise ConfigError(
-            f"{key}: its Rule raised {type(err).__name__}: {err} on {value!r}; fix the rule where {key} is declared"
-        ) from None
-
-
-def _describe(expected) -> str:
-    if typing.get_origin(expected) is Annotated:
-        return _describe(expected.__origin__)
-    if typing.get_origin(expected) in (Union, types.UnionType):
-        return " or ".join(_describe(option) for option in typing.get_args(expected))
-    if typing.get_origin(expected) is Literal:
-        return " or ".join(repr(v) for v in typing.get_args(expected))
-    return {
-        type(None): "null",
-        bool: "true/false",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-    }[expected]
+    """A validated Config from a tree of sections: each value checked against its type and rules."""
+    return typed_config.build(Config, tree)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -497,36 +346,12 @@ HEADER = """\
 # The keys and comments come from the dataclasses (config.py, model.py, data.py): after adding a
 # setting there, run `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`; values here are kept.
 """
-COMMENT_COLUMN = 24
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """The `# comment` written after each field of a config dataclass, read from its source."""
-    comments = {}
-    for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"^\s+(\w+):[^#]*#\s*(.+)$", line)
-        if match:
-            comments[match.group(1)] = match.group(2).strip()
-    return comments
 
 
 def render_yaml(cfg: Config, only: dict | None = None, head: str = HEADER) -> str:
     """Settings with their values and the comments of their dataclass fields, under `head`: every
     setting (the text of default.yaml), or those `only` names (an experiment file's)."""
-    lines = [head.rstrip("\n")]
-    for name in typing.get_type_hints(Config):
-        section = getattr(cfg, name)
-        comments = field_comments(type(section))
-        keys = [f.name for f in dataclasses.fields(section) if only is None or f.name in only.get(name, {})]
-        lines += ["", f"{name}:"] if keys else []
-        for key in keys:
-            head_line = f"  {key}: {_yaml_scalar(getattr(section, key))}"
-            lines.append(f"{head_line.ljust(COMMENT_COLUMN - 1)}  # {comments.get(key, '')}".rstrip())
-    return "\n".join(lines) + "\n"
-
-
-def _yaml_scalar(value) -> str:
-    return yaml.safe_dump([value], default_flow_style=True, width=1000).strip()[1:-1]
+    return typed_config.render(cfg, head, only)
 
 
 def sync(path: str | Path) -> list[str]:
@@ -556,7 +381,7 @@ def sync(path: str | Path) -> list[str]:
         text = render_yaml(from_dict(kept))
     else:
         comments = "".join(line + "\n" for line in Path(path).read_text().splitlines() if line.startswith("#"))
-        text = render_yaml(from_dict(kept), kept, comments + f"{EXTENDS}: {_yaml_scalar(base)}\n")
+        text = render_yaml(from_dict(kept), kept, comments + f"{EXTENDS}: {yaml_scalar(base)}\n")
     checked = yaml.safe_load(text)
     checked.pop(EXTENDS, None)
     from_dict(checked)  # the file as load() will read it
@@ -564,16 +389,6 @@ def sync(path: str | Path) -> list[str]:
     partial.write_text(text)
     os.replace(partial, path)
     return changed
-
-
-def type_problem(key: str, value, expected) -> str | None:
-    """Why `value` is not of the setting's type (its rules aside), or None."""
-    base = expected.__origin__ if typing.get_origin(expected) is Annotated else expected
-    try:
-        _check_type(key, value, base)
-    except ConfigError as err:
-        return str(err).removeprefix(f"{key}: ")
-    return None
 
 
 def seam_values_off_default(path: str | Path) -> list[str]:
