@@ -123,6 +123,16 @@ STARTER_PACKAGE_FILES = {
     "image_classification": {"shapes.py"},
     "language_model": {"tools/prepare.py", "tools/sample.py"},
 }
+# files a starter adds outside its package
+STARTER_FILES = {
+    "image_classification": set(),
+    "language_model": {
+        "examples/huggingface/model.py",
+        "examples/huggingface/task.py",
+        "examples/huggingface/tests/test_task.py",
+        "tests/test_huggingface.py",
+    },
+}
 
 SUPPORTED = [
     {},
@@ -159,6 +169,7 @@ def expected_files(answers, package):
     task = answers.get("task", "classifier")
     if task != "classifier":
         files = (files - CLASSIFIER_ONLY) | {f"src/{package}/{name}" for name in STARTER_PACKAGE_FILES[task]}
+        files |= STARTER_FILES[task]
     if answers.get("slurm", True):
         files |= SLURM_FILES
     if answers.get("kubernetes", False):

@@ -140,3 +140,25 @@ def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_p
     build_model(cfg).load_state_dict(weights)
     trained = wrapped.state_dict()
     assert all(torch.equal(v, trained[f"module._orig_mod.{k}"]) for k, v in weights.items())
+
+
+def test_a_runs_launch_directory_is_found_from_where_its_checkpoint_lies(tmp_path):
+    cfg = config.load(SMOKE_CONFIG, ["run.out_dir=runs", "run.name=mine"])
+    saved = tmp_path / "project" / "runs" / "mine" / "checkpoints" / "step_00000010.pt"
+    assert export.run_launch_directory(saved, cfg) == tmp_path / "project"
+    sharded = saved.parent / "superseded" / "step_00000005"  # a sharded checkpoint's folder, set aside
+    assert export.run_launch_directory(sharded, cfg) == tmp_path / "project"
+    assert export.run_launch_directory(tmp_path / "copied" / "checkpoints" / "step_1.pt", cfg) is None  # not its run's
+    assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"])) is None
+
+
+def test_a_model_that_is_not_a_transformers_model_exports_to_huggingface_with_one_line_saying_so(tmp_path, capsys):
+    pytest.importorskip("transformers", reason="the huggingface extra: pip install -e '.[huggingface]'")
+    _, model, path = saved_checkpoint(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        export.main([str(path), str(tmp_path / "exported"), "--format", "huggingface"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        f"config error: export --format huggingface: the model is a {type(model).__name__}, not a transformers "
+        "model (no save_pretrained); export .safetensors or .pt instead\n"
+    )
