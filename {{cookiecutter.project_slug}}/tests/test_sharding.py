@@ -220,5 +220,3 @@ def test_the_same_run_under_fsdp_reaches_ddps_evaluation(tmp_path):
     assert results["fsdp"].keys() == results["ddp"].keys()
     for name, value in results["ddp"].items():
         assert abs(results["fsdp"][name] - value) < 1e-3, (name, results)
-
-

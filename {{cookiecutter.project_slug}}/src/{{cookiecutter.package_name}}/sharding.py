@@ -147,9 +147,7 @@ def checkpoint_activations(chosen: list[nn.Module], mode: str) -> list[nn.Module
         # the instance's forward: nn.Module.__call__ (and FSDP's hooks around it) stay as they are,
         # and state_dict names do not change as they would under a wrapper module
         chosen[index].forward = partial(checkpoint, chosen[index].forward, use_reentrant=False)
-    return [
-        unit for unit in chosen if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules())
-    ]
+    return [unit for unit in chosen if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules())]
 
 
 def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
