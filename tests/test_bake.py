@@ -48,6 +48,7 @@ COMMON_FILES = {
     "tests/test_faults.py",
     "tests/test_launchers.py",
     "tests/test_layers.py",
+    "tests/test_memory.py",
     "tests/test_metrics.py",
     "tests/test_multinode.py",
     "tests/test_optim.py",

@@ -3,7 +3,7 @@
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors   # the newest checkpoint
     python -m {{ cookiecutter.package_name }}.tools.export runs/default/checkpoints/step_00000500.pt model.pt
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors --dtype bf16  # smaller
-    python -m {{ cookiecutter.package_name }}.tools.export runs/default exported/ --format huggingface  # a transformers model
+    python -m {{ cookiecutter.package_name }}.tools.export runs/default hf/ --format huggingface
 
 An output ending in .safetensors gets safetensors (the project's export extra); any other a
 plain state_dict; --format overrides the choice by suffix. The safetensors metadata records the

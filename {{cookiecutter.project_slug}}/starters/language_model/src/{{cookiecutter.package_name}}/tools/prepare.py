@@ -1,9 +1,9 @@
 """Tokenize text files into the token files the language model trains on.
 
-    python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --out DIR                   # then dataset.dir=DIR
+    python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --out DIR   # then dataset.dir=DIR
     python -m {{ cookiecutter.package_name }}.tools.prepare TRAIN_FILES... --eval EVAL_FILES... --out DIR
     python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --tokenizer tokenizer.json --out DIR
-    python -m {{ cookiecutter.package_name }}.tools.prepare --out DIR                                  # the built-in corpus
+    python -m {{ cookiecutter.package_name }}.tools.prepare --out DIR                 # the built-in corpus
 
 The files' tokens are concatenated in the order given into DIR/train.bin; DIR/val.bin holds the
 tokens of the --eval files, or, without them, the last --eval-share (10%) of the files' tokens.
