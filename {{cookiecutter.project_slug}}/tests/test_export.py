@@ -152,13 +152,17 @@ def test_a_runs_launch_directory_is_found_from_where_its_checkpoint_lies(tmp_pat
     assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"])) is None
 
 
-def test_a_model_that_is_not_a_transformers_model_exports_to_huggingface_with_one_line_saying_so(tmp_path, capsys):
+def test_a_model_that_is_not_a_transformers_model_exports_to_huggingface_with_one_line_saying_so(
+    tmp_path, monkeypatch, capsys
+):
     pytest.importorskip("transformers", reason="the huggingface extra: pip install -e '.[huggingface]'")
-    _, model, path = saved_checkpoint(tmp_path)
+    monkeypatch.setattr(export.task, "build_model", lambda cfg: nn.Linear(2, 2))  # a plain torch model
+    saved = {"model": nn.Linear(2, 2).state_dict(), "step": 3, "config": config.to_dict(config.load(SMOKE_CONFIG))}
+    checkpoint.atomic_save(saved, tmp_path / "plain.pt")
     with pytest.raises(SystemExit) as exited:
-        export.main([str(path), str(tmp_path / "exported"), "--format", "huggingface"])
+        export.main([str(tmp_path / "plain.pt"), str(tmp_path / "exported"), "--format", "huggingface"])
     assert exited.value.code == 2
     assert capsys.readouterr().err == (
-        f"config error: export --format huggingface: the model is a {type(model).__name__}, not a transformers "
-        "model (no save_pretrained); export .safetensors or .pt instead\n"
+        "config error: export --format huggingface: the model is a Linear, not a transformers model "
+        "(no save_pretrained); export .safetensors or .pt instead\n"
     )
