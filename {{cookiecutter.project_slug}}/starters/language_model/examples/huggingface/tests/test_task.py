@@ -17,6 +17,7 @@ from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics
 from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, sharding, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import training_flops_per_token
+from {{ cookiecutter.package_name }}.tools import diagnose
 
 transformers = pytest.importorskip("transformers", reason="the huggingface extra: pip install -e '.[huggingface]'")
 
@@ -56,6 +57,10 @@ def test_the_embeddings_are_tied_in_the_roots_group_and_the_decoder_layers_are_t
     assert sharding.split_parameter(model, units) is None  # no unit holds the tied matrix
     untied = task.build_model(small_config("model.tie_embeddings=false"))
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+def test_every_parameter_gets_a_gradient_so_ddp_needs_no_unused_parameter_search():
+    assert diagnose.unused_parameters(small_config(), task.build_model(small_config())) == []  # `diagnose unused`
 
 
 def test_the_model_is_causal():
