@@ -127,6 +127,6 @@ def test_diagnose_memory_says_what_fits_under_each_strategy_and_checkpointing_on
     lines = diagnose.memory_estimate(cfg, 8, between).splitlines()
     assert lines[0].startswith(f"{params:,} parameters, {len(units)} FSDP units; optim.name=adamw")
     assert lines[2].startswith("  ddp on 8, checkpointing none")
-    assert lines[2].endswith(f"fits in {between:g} GB: no  <- train.activation_checkpointing")
+    assert lines[2].endswith(f"fits in {between:g} GB: no  <- parallel.activation_checkpointing")
     assert lines[-1].startswith("  fsdp on 8, checkpointing full")
     assert lines[-1].endswith(f"fits in {between:g} GB: yes")

@@ -225,7 +225,7 @@ def scaling_report(results: dict, nproc: int) -> str:
     hint = (
         "raise data.num_workers or make loading cheaper"
         if data >= comm
-        else "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect"
+        else "raise per-device batch, grad_accum_steps or parallel.bucket_cap_mb; check the interconnect"
     )
     rows = [f"{'ms per step':<13}{'data wait':>10}{'fwd+bwd':>10}{'optimizer':>10}{'other':>10}{'step':>10}"]
     for n, label in ((1, "1 process"), (nproc, f"{nproc} processes")):
@@ -255,7 +255,7 @@ def memory_rows(cfg: Config, model: torch.nn.Module, batch, ranks: int) -> list[
     may be fake tensors (memory_estimate): any size is measured without its memory."""
     units, rows = sharding.units(model), []
     for strategy in ("ddp", "fsdp"):
-        setting = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy=strategy))
+        setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
         static = sharding.static_memory_bytes(model, units, setting, ranks)
         if strategy == "fsdp" and cfg.train.precision in sharding.LOW_PRECISION:
             gathered_in(model, sharding.LOW_PRECISION[cfg.train.precision])  # FSDP's param_dtype
@@ -279,7 +279,7 @@ def memory_report(cfg: Config, model: torch.nn.Module, batch, ranks: int, gpu_gb
     for strategy, mode, static, activations in memory_rows(cfg, model, batch, ranks):
         total = static + activations
         fits = "yes" if total <= gpu_gb * 1e9 else "no"
-        mark = "  <- train.activation_checkpointing" if mode == cfg.train.activation_checkpointing else ""
+        mark = "  <- parallel.activation_checkpointing" if mode == cfg.parallel.activation_checkpointing else ""
         lines.append(
             f"  {strategy} on {ranks}, checkpointing {mode:<9} {gb(static)} + {gb(activations)} = {gb(total)}; "
             f"fits in {gpu_gb:g} GB: {fits}{mark}"
@@ -363,11 +363,11 @@ def main(argv=None) -> int:
     if args.command == "unused":
         names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
         if not names:
-            print("every parameter gets a gradient: keep dist.find_unused_parameters=false")
+            print("every parameter gets a gradient: keep parallel.find_unused_parameters=false")
             return 0
         print(
             "parameters without a gradient after one step (freeze them with requires_grad_(False), "
-            "remove them, or set dist.find_unused_parameters=true at a 10-20% cost):"
+            "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
         )
         print("\n".join(f"  {name}" for name in names))
         return 1

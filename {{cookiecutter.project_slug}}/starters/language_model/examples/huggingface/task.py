@@ -5,7 +5,7 @@ called, with keyword arguments.
 The data is the starter's (data.py unchanged: token windows, `prepare`, a tokenizer.json). The
 model returns an output object; its `.logits` give the summed loss (the model's own `labels=`
 loss is a mean, which the loop's exact weighting over ranks cannot use). Under
-train.strategy=fsdp each decoder layer is a unit: the classes the model names in
+parallel.strategy=fsdp each decoder layer is a unit: the classes the model names in
 `_no_split_modules`, which transformers keeps whole when it spreads a model over devices.
 """
 

@@ -151,7 +151,7 @@ def test_the_hugging_face_round_trip_trains_under_fsdp_exports_and_loads_back_wi
 
     # the smoke check's run, launched from the data's folder with paths relative to it (as
     # `scripts/train.sh dataset.dir=data/mine` is from a project); fp32, so that transformers scores it the same
-    run = ["train.strategy=fsdp", "train.activation_checkpointing=full", "train.precision=fp32", "train.max_steps=40"]
+    run = ["parallel.strategy=fsdp", "parallel.activation_checkpointing=full", "train.precision=fp32", "train.max_steps=40"]
     smoke = ["bash", str(PROJECT / "scripts" / "smoke.sh"), "--config", SMOKE_CONFIG, *run]
     smoked = subprocess.run(
         [*smoke, "dataset.dir=tokens", "run.out_dir=runs"],
@@ -177,7 +177,7 @@ def test_the_hugging_face_round_trip_trains_under_fsdp_exports_and_loads_back_wi
     with safe_open(exported / "model.safetensors", framework="pt") as stored:
         assert "lm_head.weight" not in stored.keys()  # noqa: SIM118 (safe_open has keys(), not `in`)
     val = np.fromfile(tmp_path / "tokens" / data.SPLITS["eval"], dtype=meta["dtype"])
-    windows = evaluation["eval_samples"]  # the smoke check's quick look: its first train.eval_limit windows
+    windows = evaluation["eval_samples"]  # the smoke check's quick look: its first eval.limit windows
     assert windows == min(512, (len(val) - 1) // 64)
     assert window_loss(loaded, val, 64, windows) == pytest.approx(evaluation["eval_loss"], rel=1e-5)
 
