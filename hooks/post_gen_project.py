@@ -25,13 +25,16 @@ from pathlib import Path
 # Rendered by cookiecutter; the module stays valid Python so tests can import its functions.
 ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
 
+CLASSIFIER_SWAPS = ("image_classifier", "language_model", "regression")  # examples/<name>/
 # (answer, values that drop the files, files relative to the project root)
 OPTIONAL_FILES = [
     ("slurm", (False,), ["scripts/train.sbatch", "tests/test_sbatch.py"]),
     ("kubernetes", (False,), ["k8s", "Dockerfile", ".dockerignore", "tests/test_kubernetes.py"]),
     ("license", ("none",), ["LICENSE"]),
-    # the worked swaps replace the classifier's seam files; the other starters have their own
-    ("task", ("image_classification", "language_model"), ["examples", "tests/test_swaps.py"]),
+    # the worked swaps replace the classifier's seam files; the other starters have their own, and
+    # the language model's example (a Hugging Face model) comes from its starter's folder
+    ("task", ("image_classification",), ["examples", "tests/test_swaps.py"]),
+    ("task", ("language_model",), [*(f"examples/{name}" for name in CLASSIFIER_SWAPS), "tests/test_swaps.py"]),
 ]
 STARTERS = "starters"  # starters/<task>/...: the files a task replaces or adds
 # cookiecutter's replay format (`cookiecutter --replay-file`), plus the template commit for `cruft link`

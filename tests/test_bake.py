@@ -60,6 +60,7 @@ COMMON_FILES = {
     "tests/test_faults.py",
     "tests/test_launchers.py",
     "tests/test_layers.py",
+    "tests/test_memory.py",
     "tests/test_metrics.py",
     "tests/test_multinode.py",
     "tests/test_optim.py",
@@ -134,7 +135,17 @@ STARTER_PACKAGE_FILES = {
     "image_classification": {"shapes.py"},
     "language_model": {"tools/prepare.py", "tools/sample.py"},
 }
-STARTER_DOCS = {"image_classification": "docs/image-classifier.md", "language_model": "docs/language-model.md"}
+# files a starter adds outside its package
+STARTER_FILES = {
+    "image_classification": {"docs/image-classifier.md"},
+    "language_model": {
+        "docs/language-model.md",
+        "examples/huggingface/model.py",
+        "examples/huggingface/task.py",
+        "examples/huggingface/tests/test_task.py",
+        "tests/test_huggingface.py",
+    },
+}
 
 SUPPORTED = [
     {},
@@ -171,7 +182,7 @@ def expected_files(answers, package):
     task = answers.get("task", "classifier")
     if task != "classifier":
         files = (files - CLASSIFIER_ONLY) | {f"src/{package}/{name}" for name in STARTER_PACKAGE_FILES[task]}
-        files.add(STARTER_DOCS[task])
+        files |= STARTER_FILES[task]
     if answers.get("slurm", True):
         files |= SLURM_FILES
     if answers.get("kubernetes", False):

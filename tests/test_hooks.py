@@ -141,10 +141,16 @@ def test_remove_unchosen_uses_the_table(tmp_path):
     assert sorted(removed) == [*expected, "tests/test_kubernetes.py", "tests/test_sbatch.py"]
     assert (tmp_path / "keep.txt").exists() and not (tmp_path / "k8s").exists()
     (tmp_path / "examples" / "regression").mkdir(parents=True)
-    for task in ("image_classification", "language_model"):  # the swaps of the classifier's seam
-        (tmp_path / "examples" / "regression").mkdir(parents=True, exist_ok=True)
-        assert post.remove_unchosen(tmp_path, answers(task=task))[-2:] == ["examples", "tests/test_swaps.py"]
-        assert not (tmp_path / "examples").exists()
+    assert post.remove_unchosen(tmp_path, answers(task="image_classification"))[-2:] == [
+        "examples",
+        "tests/test_swaps.py",
+    ]  # the swaps of the classifier's seam
+    assert not (tmp_path / "examples").exists()
+    for name in ("regression", "huggingface"):  # the language model's starter brings its own example
+        (tmp_path / "examples" / name).mkdir(parents=True)
+    removed = post.remove_unchosen(tmp_path, answers(task="language_model"))
+    assert "examples/regression" in removed and "tests/test_swaps.py" in removed
+    assert [p.name for p in (tmp_path / "examples").iterdir()] == ["huggingface"]
 
 
 def test_summary_states_the_global_batch_and_next_steps():

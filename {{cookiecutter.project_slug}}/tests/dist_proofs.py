@@ -173,7 +173,7 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
     update = reference_update_error(cfg, job, recorded, whole_weights(job.model))
     measured = dist.sharded(job.model) and accum == 1  # the sharded run's evaluation and memory, once
-    evaluation = sharded_evaluation(job, cfg, info) | held_bytes(job, info) if measured else {}
+    evaluation = sharded_evaluation(job, cfg, info) | held_bytes(job, cfg, info) if measured else {}
     return evaluation | {
         "gradient_error": reference_gradient_error(cfg, info.world_size, recorded),
         "update_error": update,
@@ -219,7 +219,7 @@ def sharded_evaluation(job: train.Job, cfg, info: DistInfo) -> dict:
     return {"evaluation": ours, "evaluation_alone": alone, "eval_set": len(eval_set)}
 
 
-def held_bytes(job: train.Job, info: DistInfo) -> dict:
+def held_bytes(job: train.Job, cfg, info: DistInfo) -> dict:
     """This rank's bytes of weights, gradients (as many as the weights' shards: reduce-scattered
     in fp32) and optimizer state, with the estimate the start-up line prints and DDP's."""
     local = [p.to_local() for p in job.model.parameters()]
@@ -230,11 +230,11 @@ def held_bytes(job: train.Job, info: DistInfo) -> dict:
         for v in states
         if isinstance(v, torch.Tensor) and v.dim() > 0  # AdamW's step counts are scalars
     )
-    params = sum(p.numel() for p in job.model.parameters())
+    shapes = [p.shape for p in job.model.parameters()]
     return {
         "held_bytes": dist.all_gather_objects(2 * weights + optimizer),
-        "estimated_bytes": sharding.state_bytes(params, info.world_size),
-        "ddp_bytes": sharding.state_bytes(params, 1),
+        "estimated_bytes": sharding.state_bytes(shapes, cfg.optim, info.world_size),
+        "ddp_bytes": sharding.state_bytes(shapes, cfg.optim, 1),
     }
 
 
@@ -244,7 +244,7 @@ def prove_memory(out: Path, overrides: list[str], info: DistInfo) -> dict:
     job = train.build(cfg, info)
     with train.training_log(job, cfg, info) as log:
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
-    return held_bytes(job, info) | {"parameters": sum(p.numel() for p in job.model.parameters())}
+    return held_bytes(job, cfg, info) | {"parameters": sum(p.numel() for p in job.model.parameters())}
 
 
 def prove_sharding(overrides: list[str], info: DistInfo) -> dict:

@@ -35,6 +35,8 @@ def test_every_module_a_page_runs_exists(page):
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
 def test_every_setting_a_page_names_exists(page):
     fields = {name: {f for f in type(section).__dataclass_fields__} for name, section in vars(config.Config()).items()}
+    fields["model"] |= example_fields("ModelConfig")  # a page may describe a swap's settings too
+    fields["dataset"] |= example_fields("DatasetConfig")
     for section, key in set(SETTING.findall(text_of(page))):
         name = f"{section}.{key}"
         if key in FILE_SUFFIXES or key in fields[section] or module_has(section, key):
@@ -43,6 +45,17 @@ def test_every_setting_a_page_names_exists(page):
             assert page.name == EARLIER_NAMES_PAGE, f"{page.name}: {name} is now {config.RENAMED[name]}"
             continue
         raise AssertionError(f"{page.name}: {name} is no setting of [{section}] (and no name of a module {section})")
+
+
+@cache
+def example_fields(dataclass_name: str) -> set[str]:
+    """The settings the seams in examples/ declare in their `dataclass_name`."""
+    found = set()
+    for path in (PROJECT / "examples").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name == dataclass_name:
+                found |= {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}
+    return found
 
 
 @cache

@@ -140,3 +140,29 @@ def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_p
     build_model(cfg).load_state_dict(weights)
     trained = wrapped.state_dict()
     assert all(torch.equal(v, trained[f"module._orig_mod.{k}"]) for k, v in weights.items())
+
+
+def test_a_runs_launch_directory_is_found_from_where_its_checkpoint_lies(tmp_path):
+    cfg = config.load(SMOKE_CONFIG, ["run.out_dir=runs", "run.name=mine"])
+    saved = tmp_path / "project" / "runs" / "mine" / "checkpoints" / "step_00000010.pt"
+    assert export.run_launch_directory(saved, cfg) == tmp_path / "project"
+    sharded = saved.parent / "superseded" / "step_00000005"  # a sharded checkpoint's folder, set aside
+    assert export.run_launch_directory(sharded, cfg) == tmp_path / "project"
+    assert export.run_launch_directory(tmp_path / "copied" / "checkpoints" / "step_1.pt", cfg) is None  # not its run's
+    assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"])) is None
+
+
+def test_a_model_that_is_not_a_transformers_model_exports_to_huggingface_with_one_line_saying_so(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(export.extras, "require", lambda package, needed_for: None)  # installed or not
+    monkeypatch.setattr(export.task, "build_model", lambda cfg: nn.Linear(2, 2))  # a plain torch model
+    saved = {"model": nn.Linear(2, 2).state_dict(), "step": 3, "config": config.to_dict(config.load(SMOKE_CONFIG))}
+    checkpoint.atomic_save(saved, tmp_path / "plain.pt")
+    with pytest.raises(SystemExit) as exited:
+        export.main([str(tmp_path / "plain.pt"), str(tmp_path / "exported"), "--format", "huggingface"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "config error: export --format huggingface: the model is a Linear, not a transformers model "
+        "(no save_pretrained); export .safetensors or .pt instead\n"
+    )

@@ -3,6 +3,7 @@ the memory estimate, and checkpoints that resume under either strategy on any wo
 The sharded loop's maths is proven in tests/dist_proofs.py (test_distributed.py)."""
 
 import json
+import math
 import sys
 
 import pytest
@@ -14,7 +15,6 @@ from torch import nn
 
 from {{ cookiecutter.package_name }} import checkpoint, config, records, sharding, task
 from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.tools import diagnose
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
 needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
@@ -106,24 +106,29 @@ def test_activation_checkpointing_leaves_batchnorm_units_alone():
 def test_the_memory_estimate_shares_the_state_over_the_ranks_and_adds_the_gathered_units():
     model = TiedLanguageModel(width=16, vocabulary=50)
     units = sharding.default_units(model)
-    params = sum(p.numel() for p in model.parameters())
+    shapes = [p.shape for p in model.parameters()]
+    params, tensors = sum(p.numel() for p in model.parameters()), len(shapes)
     largest = sum(p.numel() for p in model.blocks[0].parameters())
     ddp = smoke_config("train.precision=fp32")
-    assert sharding.static_memory_bytes(model, units, ddp, 8) == 16 * params
+    assert sharding.static_memory_bytes(model, units, ddp, 8) == 16 * params + 4 * tensors  # AdamW's step counts
+    shared = sharding.state_bytes(shapes, ddp.optim, 8)  # each parameter's first dimension split over 8
+    assert 16 * params // 8 <= shared <= 16 * params // 8 + 16 * sum(math.prod(s[1:]) for s in shapes) + 4 * tensors
     fsdp = smoke_config("parallel.strategy=fsdp", "train.precision=bf16")
-    assert sharding.static_memory_bytes(model, units, fsdp, 8) == 16 * params // 8 + 2 * largest * 2
+    assert sharding.static_memory_bytes(model, units, fsdp, 8) == shared + 2 * largest * 2
     kept = smoke_config("parallel.strategy=fsdp", "train.precision=fp32", "parallel.reshard_after_forward=false")
-    assert sharding.static_memory_bytes(model, units, kept, 8) == 16 * params // 8 + 3 * largest * 4
+    assert sharding.static_memory_bytes(model, units, kept, 8) == shared + 3 * largest * 4
     whole = smoke_config("parallel.strategy=fsdp", "train.precision=fp32", "train.grad_accum_steps=2")
-    assert sharding.static_memory_bytes(model, units, whole, 8) == 16 * params // 8 + 2 * largest * 4
+    assert sharding.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4
     whole = smoke_config(
         "parallel.strategy=fsdp",
         "train.precision=fp32",
         "train.grad_accum_steps=2",
         "parallel.reduce_every_micro_batch=false",
     )
-    assert sharding.static_memory_bytes(model, units, whole, 8) == 16 * params // 8 + 2 * largest * 4 + 4 * params
+    assert sharding.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4 + 4 * params
     assert "whole gradients between micro-batches" in sharding.gathered(whole)
+    sgd = smoke_config("train.precision=fp32", "optim.name=sgd", "optim.momentum=0")
+    assert sharding.static_memory_bytes(model, units, sgd, 8) == 8 * params  # no optimizer state at all
 
 
 def test_fsdp_below_its_torch_floor_is_one_line_naming_the_version():
@@ -228,14 +233,3 @@ def test_the_same_run_under_fsdp_reaches_ddps_evaluation(tmp_path):
     assert results["fsdp"].keys() == results["ddp"].keys()
     for name, value in results["ddp"].items():
         assert abs(results["fsdp"][name] - value) < 1e-3, (name, results)
-
-
-def test_diagnose_memory_says_whether_the_model_fits_a_device_under_each_strategy():
-    cfg = smoke_config("train.precision=fp32")
-    model = TiedLanguageModel(width=64, vocabulary=200_000)  # 16 bytes a parameter under ddp: 0.2 GB
-    params = sum(p.numel() for p in model.parameters())
-    between = (16 * params / 8 + 16 * params) / 2 / 1e9  # a device too small for ddp, big enough for fsdp on 8
-    report = diagnose.memory_report(cfg, model, 8, between)
-    assert f"{params:,} parameters, 3 FSDP units" in report
-    assert f"ddp on 8: {16 * params / 1e9:.2f} GB; fits in {between:g} GB: no" in report
-    assert "fsdp on 8: " in report and report.endswith("fits in " + f"{between:g} GB: yes")

@@ -273,7 +273,10 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_as_they_were(tmp_
 def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(precision, per_param):
     cfg = config.load(SMOKE_CONFIG, [f"train.precision={precision}"])
     model = torch.nn.Linear(1000, 1000, bias=False)  # 1,000,000 parameters
-    assert sharding.static_memory_bytes(model, [], cfg, 8) == 1_000_000 * per_param  # P28: DDP holds all of it
+    # P28: DDP holds all of it; AdamW's step count is 4 bytes a parameter tensor
+    assert sharding.static_memory_bytes(model, [], cfg, 8) == 1_000_000 * per_param + 4
+    sgd = config.load(SMOKE_CONFIG, [f"train.precision={precision}", "optim.name=sgd"])
+    assert sharding.static_memory_bytes(model, [], sgd, 8) == 1_000_000 * (per_param - 4)  # one momentum buffer
 
 
 def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():

@@ -20,6 +20,8 @@ EXTRA_OF = {
     "litdata": "shards",
     "boto3": "shards",
     "safetensors": "export",
+    "transformers": "huggingface",
+    "tokenizers": "huggingface",
 }
 
 

@@ -14,19 +14,22 @@ evaluating and saving, which is what DDP's broadcast at each forward leaves (see
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils import _pytree
 from torch.utils.checkpoint import checkpoint
 
 from . import dist, task
 from .rules import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .config import Config, OptimConfig
     from .dist import DistInfo
 
 FSDP_FLOOR = (2, 8)  # gloo refuses FSDP's averaging reduce-scatter (ReduceOp.AVG) before 2.8
@@ -122,21 +125,31 @@ def split_parameter(model: nn.Module, chosen: list[nn.Module]) -> str | None:
     return None
 
 
-def checkpoint_activations(chosen: list[nn.Module], mode: str) -> list[nn.Module]:
-    """Recompute the activations of the units in backward instead of keeping them: every unit
-    (full), every second one (selective), or none. Units holding BatchNorm are left out: a
-    recomputed forward would update its running statistics twice. Returns the units left out."""
+def recomputed(chosen: list[nn.Module], mode: str) -> list[int]:
+    """The indices of the units whose activations are recomputed in backward: every unit (full),
+    every second one (selective), or none; never a unit holding BatchNorm (a recomputed forward
+    would update its running statistics twice)."""
     if mode == "none":
         return []
-    skipped = []
-    for index, unit in enumerate(chosen):
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules()):
-            skipped.append(unit)
-        elif mode == "full" or index % 2 == 0:
-            # the instance's forward: nn.Module.__call__ (and FSDP's hooks around it) stay as they are,
-            # and state_dict names do not change as they would under a wrapper module
-            unit.forward = partial(checkpoint, unit.forward, use_reentrant=False)
-    return skipped
+    return [
+        index
+        for index, unit in enumerate(chosen)
+        if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules())
+        and (mode == "full" or index % 2 == 0)
+    ]
+
+
+def checkpoint_activations(chosen: list[nn.Module], mode: str) -> list[nn.Module]:
+    """Recompute the activations of the units `recomputed` names in backward instead of keeping
+    them. Returns the units left out for their BatchNorm."""
+    if mode == "none":
+        return []
+    picked = recomputed(chosen, mode)
+    for index in picked:
+        # the instance's forward: nn.Module.__call__ (and FSDP's hooks around it) stay as they are,
+        # and state_dict names do not change as they would under a wrapper module
+        chosen[index].forward = partial(checkpoint, chosen[index].forward, use_reentrant=False)
+    return [unit for unit in chosen if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules())]
 
 
 def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
@@ -180,14 +193,16 @@ def static_memory_bytes(model: nn.Module, chosen: list[nn.Module], cfg: Config, 
     gathered in, and whole fp32 gradients between micro-batches without
     parallel.reduce_every_micro_batch. AMP under DDP keeps low-precision weight copies, budgeted at 4
     bytes a parameter."""
-    params = sum(p.numel() for p in model.parameters())
+    shapes = [p.shape for p in model.parameters()]
+    params = sum(math.prod(shape) for shape in shapes)
     low = cfg.train.precision in LOW_PRECISION
     if cfg.parallel.strategy == "ddp" or world_size == 1:
-        return state_bytes(params, 1) + (4 * params if low else 0)
+        return state_bytes(shapes, cfg.optim, 1) + (4 * params if low else 0)
     sizes = [sum(p.numel() for p in unit.parameters()) for unit in chosen] or [params]
     held = 2 * max(sizes) if cfg.parallel.reshard_after_forward else sum(sizes)
     whole_gradients = cfg.train.grad_accum_steps > 1 and not cfg.parallel.reduce_every_micro_batch
-    return state_bytes(params, world_size) + held * (2 if low else 4) + (4 * params if whole_gradients else 0)
+    gathered_bytes = held * (2 if low else 4) + (4 * params if whole_gradients else 0)
+    return state_bytes(shapes, cfg.optim, world_size) + gathered_bytes
 
 
 def gathered(cfg: Config) -> str:
@@ -198,7 +213,139 @@ def gathered(cfg: Config) -> str:
     return extra
 
 
-def state_bytes(params: int, shards: int) -> int:
-    """Weights, gradients and AdamW's two moments in fp32 (4 + 4 + 8 bytes a parameter), split
-    over `shards` ranks: DDP holds all of it on every device (1), FSDP a 1/N share."""
-    return 16 * params // shards
+def state_bytes(shapes: list[torch.Size], optim: OptimConfig, shards: int) -> int:
+    """Weights and gradients in fp32 (4 + 4 bytes a parameter) and the optimizer's state
+    (optimizer_state_bytes) on one device: DDP holds all of it on every device (1 shard); FSDP
+    splits each parameter's first dimension over the ranks (the largest share, when it does not
+    divide)."""
+    local = [shard_shape(shape, shards) for shape in shapes]
+    return 8 * sum(math.prod(shape) for shape in local) + (optimizer_state_bytes(local, optim) or 0)
+
+
+def shard_shape(shape: torch.Size, shards: int) -> tuple[int, ...]:
+    """The largest share of a parameter of `shape` that FSDP2 gives a rank: its first dimension split."""
+    if not shape or shards == 1:
+        return tuple(shape)
+    return (-(-shape[0] // shards), *shape[1:])
+
+
+def optimizer_state_bytes(shapes: list[tuple[int, ...]], optim: OptimConfig) -> int | None:
+    """The bytes of state optim.name's optimizer allocates at its first step for parameters of
+    these shapes, in fp32: adamw two moments and a step count a parameter; sgd a momentum buffer,
+    none when optim.momentum is 0; adafactor a row and a column statistic of each matrix (of its
+    last two dimensions), the whole second moment of each vector, and a step count. None for
+    optim.name=task, whose optimizer the task builds."""
+    if optim.name == "task":
+        return None
+    total = 0
+    for shape in shapes:
+        size = math.prod(shape)
+        if optim.name == "adamw":
+            total += 4 * (2 * size + 1)
+        elif optim.name == "sgd":
+            total += 4 * size if optim.momentum else 0
+        elif len(shape) >= 2:  # adafactor: factored
+            total += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1] + 1)
+        else:
+            total += 4 * (size + 1)
+    return total
+
+
+@dataclass
+class SavedForBackward:
+    """What autograd keeps from one micro-batch's forward for its backward, as bytes by storage (a
+    storage saved twice counts once; parameters and their autocast copies are the static memory's):
+    what the forward saves before the units run and after they all have (a head, the loss), and
+    each unit's inputs and its own, in the order the units ran."""
+
+    before: dict[int, int] = field(default_factory=dict)
+    after: dict[int, int] = field(default_factory=dict)
+    inputs: list[dict[int, int]] = field(default_factory=list)
+    own: list[dict[int, int]] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)
+
+    def kept_bytes(self, recompute: list[int]) -> int:
+        """What the forward leaves saved when the units `recompute` names keep only their inputs."""
+        held = dict(self.before)
+        for index in self.order:
+            held.update(self.inputs[index] if index in recompute else self.own[index])
+        return sum({**held, **self.after}.values())
+
+    def activation_bytes(self, recompute: list[int]) -> int:
+        """The most activation memory held at once when the units `recompute` names keep only
+        their inputs: at the end of the forward (kept_bytes), or when backward, having freed what
+        came after a unit, recomputes that unit's own."""
+        held, levels = dict(self.before), [self.kept_bytes(recompute)]
+        for index in self.order:
+            held.update(self.inputs[index] if index in recompute else self.own[index])
+            if index in recompute:
+                again = sum(size for key, size in self.own[index].items() if key not in held)
+                levels.append(sum(held.values()) + again)
+        return max(levels)
+
+
+def saved_for_backward(model: nn.Module, batch, chosen: list[nn.Module], precision: str) -> SavedForBackward:
+    """Trace task.loss_sum(model, batch) once under the precision's autocast, recording the
+    tensors autograd saves for backward and where in the model it saves them. Works alike on real
+    tensors (a measurement) and on fake ones (an estimate at any size, no memory: diagnose memory)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    parameters = {_storage(p) for p in model.parameters()}
+    casts: set[int] = set()  # autocast's low-precision copies of the parameters
+
+    class ParameterCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and _storage(args[0]) in parameters:
+                casts.add(_storage(result))
+            return result
+
+    saved, current, alive = SavedForBackward(), [None], []  # alive: no storage freed and its identity reused
+    hooks = []
+    for index, unit in enumerate(chosen):
+        saved.inputs.append({})
+        saved.own.append({})
+
+        def enter(module, args, kwargs, index=index):
+            current[0] = index
+            if index not in saved.order:
+                saved.order.append(index)
+            for tensor in _pytree.tree_leaves((args, kwargs)):
+                if isinstance(tensor, torch.Tensor):
+                    alive.append(tensor)
+                    saved.inputs[index][_storage(tensor)] = tensor.untyped_storage().nbytes()
+
+        def leave(module, args, output):
+            current[0] = None
+
+        hooks += [unit.register_forward_pre_hook(enter, with_kwargs=True), unit.register_forward_hook(leave)]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage(tensor)
+        if key not in parameters and key not in casts:
+            if current[0] is not None:
+                where = saved.own[current[0]]
+            else:
+                where = saved.after if chosen and len(saved.order) == len(chosen) else saved.before
+            where.setdefault(key, tensor.untyped_storage().nbytes())
+        return tensor
+
+    device = next(model.parameters()).device
+    low = LOW_PRECISION.get(precision)
+    autocast = torch.autocast(device.type, dtype=low or torch.float32, enabled=low is not None)
+    try:
+        with ParameterCasts(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+            loss = task.loss_sum(model, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    del loss  # and with it the graph and what it saved
+    for own in saved.own:  # a storage first met before the units counts there
+        for key in [key for key in own if key in saved.before]:
+            del own[key]
+    return saved
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """An identity of the tensor's storage, shared by its views, for real and fake tensors alike."""
+    return tensor.untyped_storage()._cdata

@@ -3,7 +3,7 @@
     python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # versions, GPUs, ports, CPUs, /dev/shm
     python -m {{ cookiecutter.package_name }}.tools.diagnose unused    # parameters that get no gradient
     python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup and time split, 1 vs N processes
-    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does the model fit a device: ddp vs fsdp
+    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does it fit a device: ddp vs fsdp, activations
 Each takes --config and section.key=value overrides like training does.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .. import config, cpus, hardware, loaders, processes, records, sharding, task
+from .. import config, cpus, hardware, loaders, processes, records, samples, sharding, task
 from ..config import Config
 from ..dist import DistInfo
 from ..hardware import Gpu
@@ -252,19 +252,92 @@ def device_gb() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available() else 80.0
 
 
-def memory_report(cfg: Config, model: torch.nn.Module, ranks: int, gpu_gb: float) -> str:
-    """Weights, gradients and optimizer state per device under each strategy on `ranks` devices,
-    and whether that fits a `gpu_gb` device (activations come on top: see the start-up line)."""
-    units = sharding.units(model)
-    params = sum(p.numel() for p in model.parameters())
-    lines = [f"{params:,} parameters, {len(units)} FSDP units; weights, gradients and optimizer state per device:"]
+def memory_rows(cfg: Config, model: torch.nn.Module, batch, ranks: int) -> list[tuple[str, str, int, int]]:
+    """(strategy, activation checkpointing, static bytes, activation bytes) per device on `ranks`
+    devices: the weights, gradients and optimizer state, and the most activation memory one
+    micro-batch holds for backward, traced on `batch` through task.loss_sum. `model` and `batch`
+    may be fake tensors (memory_estimate): any size is measured without its memory."""
+    units, rows = sharding.units(model), []
     for strategy in ("ddp", "fsdp"):
         setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
-        needed = sharding.static_memory_bytes(model, units, setting, ranks)
-        fits = "yes" if needed <= gpu_gb * 1e9 else "no"
-        size = f"{needed / 1e9:.2f} GB" if needed >= 1e8 else f"{needed / 1e6:.1f} MB"
-        lines.append(f"  {strategy} on {ranks}: {size}; fits in {gpu_gb:g} GB: {fits}")
+        static = sharding.static_memory_bytes(model, units, setting, ranks)
+        if strategy == "fsdp" and cfg.train.precision in sharding.LOW_PRECISION:
+            gathered_in(model, sharding.LOW_PRECISION[cfg.train.precision])  # FSDP's param_dtype
+        saved = sharding.saved_for_backward(model, batch, units, cfg.train.precision)
+        for mode in ("none", "selective", "full"):
+            rows.append((strategy, mode, static, saved.activation_bytes(sharding.recomputed(units, mode))))
+    return rows
+
+
+def memory_report(cfg: Config, model: torch.nn.Module, batch, ranks: int, gpu_gb: float) -> str:
+    """memory_rows in words, and whether each total fits a `gpu_gb` device."""
+    units = sharding.units(model)
+    params = sum(p.numel() for p in model.parameters())
+    state = sharding.optimizer_state_bytes([p.shape for p in model.parameters()], cfg.optim)
+    optimizer = f"optim.name={cfg.optim.name}" + ("" if state is not None else " (its state not counted)")
+    lines = [
+        f"{params:,} parameters, {len(units)} FSDP units; {optimizer}, train.precision={cfg.train.precision}; "
+        f"a micro-batch {samples.describe(batch)}",
+        "per device: static (weights, gradients, optimizer state) + activations held for backward = total",
+    ]
+    for strategy, mode, static, activations in memory_rows(cfg, model, batch, ranks):
+        total = static + activations
+        fits = "yes" if total <= gpu_gb * 1e9 else "no"
+        mark = "  <- parallel.activation_checkpointing" if mode == cfg.parallel.activation_checkpointing else ""
+        lines.append(
+            f"  {strategy} on {ranks}, checkpointing {mode:<9} {gb(static)} + {gb(activations)} = {gb(total)}; "
+            f"fits in {gpu_gb:g} GB: {fits}{mark}"
+        )
     return "\n".join(lines)
+
+
+def gb(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def gathered_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The parameters in the dtype FSDP gathers them in (BatchNorm's stay fp32, as sharding.shard keeps them)."""
+    for module in model.modules():
+        if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)
+
+
+def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
+    """memory_report for the configured model and micro-batch (the training loader's first, of
+    data.batch_size samples), the model built on the meta device, then traced on fake tensors:
+    shapes and dtypes, no memory for the weights or the activations, at any size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    train_set, eval_set = loaders.datasets(cfg)
+    world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0)
+    batch = task.to_device(next(iter(train_loader)), torch.device("cpu"))
+    with torch.device("meta"):
+        model = (build or task.build_model)(cfg)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # the batch's real tensors become fake where they meet the model
+        on_fake_cpu(model)
+        return memory_report(cfg, model, batch, ranks, gpu_gb)
+
+
+def on_fake_cpu(model: torch.nn.Module) -> None:
+    """Each parameter and buffer of a model built on the meta device replaced by a fake CPU tensor
+    of its shape, dtype and strides (inside a FakeTensorMode), a tied parameter by one tensor: the
+    model runs as on the CPU, on shapes alone."""
+    replaced = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in replaced:
+            empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+            is_parameter = isinstance(tensor, torch.nn.Parameter)
+            replaced[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) if is_parameter else empty
+        return replaced[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = fake(tensor)
 
 
 def main(argv=None) -> int:
@@ -288,7 +361,8 @@ def main(argv=None) -> int:
         return checks.exit_code(rows)
     if args.command == "memory":
         ranks = args.nproc or cfg.dist.gpus_per_node * cfg.dist.num_nodes
-        print(memory_report(cfg, load_model_factory(args.model)(cfg), ranks, args.gpu_gb or device_gb()))
+        with exit_on_user_error():
+            print(memory_estimate(cfg, ranks, args.gpu_gb or device_gb(), load_model_factory(args.model)))
         return 0
     if args.command == "unused":
         names = unused_parameters(cfg, load_model_factory(args.model)(cfg))

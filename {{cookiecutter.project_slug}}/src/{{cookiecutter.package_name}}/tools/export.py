@@ -3,11 +3,15 @@
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors   # the newest checkpoint
     python -m {{ cookiecutter.package_name }}.tools.export runs/default/checkpoints/step_00000500.pt model.pt
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors --dtype bf16  # smaller
+    python -m {{ cookiecutter.package_name }}.tools.export runs/default hf/ --format huggingface
 
 An output ending in .safetensors gets safetensors (the project's export extra); any other a
 plain state_dict; --format overrides the choice by suffix. The safetensors metadata records the
 step, a digest of the training config and the torch version, and the file holds no pickled
-objects.
+objects. `--format huggingface` is for a model that is a `transformers` model (the huggingface
+extra): it writes a folder `AutoModelForCausalLM.from_pretrained` (or the model's own Auto class)
+loads: config.json, model.safetensors with a tied weight stored once, and the tokenizer the data
+was cut with when the task names its file (`task.tokenizer_file(cfg)`, optional).
 """
 
 from __future__ import annotations
@@ -15,18 +19,22 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from .. import checkpoint, extras
-from ..rules import exit_on_user_error
+from .. import checkpoint, extras, task
+from ..config import Config, from_dict
+from ..rules import ConfigError, exit_on_user_error
 
 # how to load each export format for inference; neither needs this project's code
 LOADERS = {
     "pt": "model.load_state_dict(torch.load(path, weights_only=True))",
     "safetensors": "model.load_state_dict(safetensors.torch.load_file(path))",
+    "huggingface": "transformers.AutoModelForCausalLM.from_pretrained(path)",
 }
 
 
@@ -38,6 +46,9 @@ def export_weights(target: str | Path, output: str | Path, fmt: str | None = Non
     checkpoint's directory, or a run directory's newest), their floating-point tensors cast to
     `dtype` if given (integer buffers stay); returns the format written."""
     fmt = fmt or ("safetensors" if Path(output).suffix == ".safetensors" else "pt")
+    if fmt == "huggingface":
+        export_huggingface(target, output, dtype)
+        return fmt
     if fmt == "safetensors":
         extras.require("safetensors", "export to .safetensors")  # before the checkpoint is read
     _, payload = checkpoint.find(target)
@@ -49,6 +60,61 @@ def export_weights(target: str | Path, output: str | Path, fmt: str | None = Non
     else:
         torch.save(payload["model"], output)
     return fmt
+
+
+def export_huggingface(target: str | Path, output: str | Path, dtype: str | None = None) -> None:
+    """The checkpoint's model as a folder that transformers' from_pretrained loads: the model the
+    seam builds from the checkpoint's config must be a transformers model; the tokenizer file the
+    task names (if any) goes along, with the settings transformers' tokenizer classes read."""
+    extras.require("transformers", "export --format huggingface")  # before the checkpoint is read
+    path, payload = checkpoint.find(target)
+    cfg = from_dict(payload["config"])
+    with launched_from(path, cfg):  # the config's relative paths (dataset.dir) as the run saw them
+        model = task.build_model(cfg)
+        tokenizer = task.tokenizer_file(cfg) if hasattr(task, "tokenizer_file") else None
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise ConfigError(
+            f"export --format huggingface: the model is a {type(model).__name__}, not a transformers model "
+            "(no save_pretrained); export .safetensors or .pt instead"
+        )
+    model.load_state_dict(payload["model"])  # into the built parameters: a tied weight stays one
+    if dtype is not None:
+        model.to(DTYPES[dtype])
+    model.save_pretrained(output)  # config.json and model.safetensors, the tied weight stored once
+    if tokenizer is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(output)
+
+
+def run_launch_directory(checkpoint_path: Path, cfg: Config) -> Path | None:
+    """The directory a run was launched from, found from where its checkpoint lies: the run
+    directory (runs/<name>) is run.out_dir/run.name relative to it. None when run.out_dir is
+    absolute or the checkpoint is not in its run's checkpoints/ folder."""
+    relative = Path(cfg.run.out_dir) / cfg.run.name
+    folder = next((p for p in Path(checkpoint_path).resolve().parents if p.name == "checkpoints"), None)
+    if relative.is_absolute() or folder is None:
+        return None
+    root = folder.parent
+    depth = len(relative.parts)
+    if root.parts[-depth:] != relative.parts:
+        return None
+    return Path(*root.parts[:-depth])
+
+
+@contextmanager
+def launched_from(checkpoint_path: Path, cfg: Config):
+    """Inside, the working directory is the one the checkpoint's run was launched from (when it can
+    be told), so the relative paths in its config (dataset.dir, ...) name what they named then."""
+    directory, before = run_launch_directory(checkpoint_path, cfg), Path.cwd()
+    if directory is None or not directory.is_dir():
+        yield
+        return
+    os.chdir(directory)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 def config_digest(config: dict) -> str:
@@ -84,7 +150,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "checkpoint", help="a checkpoint file or sharded checkpoint directory, or a run directory for its newest"
     )
-    parser.add_argument("output", help="a .safetensors name selects safetensors; any other a plain state_dict")
+    parser.add_argument(
+        "output", help="a .safetensors name selects safetensors; any other a plain state_dict (huggingface: a folder)"
+    )
     parser.add_argument("--format", choices=sorted(LOADERS), help="overrides the choice by suffix")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the floating-point weights (default: as saved)")
     args = parser.parse_args(argv)

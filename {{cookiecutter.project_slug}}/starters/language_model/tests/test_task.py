@@ -118,6 +118,36 @@ def test_another_tokenizer_plugs_in_by_name(tmp_path, monkeypatch):
     assert task.build_model(cfg).tokens.num_embeddings == 70000
 
 
+def test_prepare_takes_separate_evaluation_files_and_records_absolute_sources(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("train.txt").write_text("training text\n" * 100)
+    Path("eval.txt").write_text("held-out text\n" * 10)
+    meta = prepare.prepare([Path("train.txt")], Path("tokens"), eval_files=[Path("eval.txt")])
+    assert meta["tokens"] == {"train": 1400, "eval": 140}  # every byte of each, nothing split off
+    assert bytes(np.fromfile("tokens/val.bin", dtype=np.uint16).tolist()) == Path("eval.txt").read_bytes()
+    assert meta["sources"] == {"train": [str(tmp_path / "train.txt")], "eval": [str(tmp_path / "eval.txt")]}
+    with pytest.raises(config.ConfigError, match="--eval-share and --eval: pass one of them"):
+        prepare.prepare([Path("train.txt")], Path("other"), 0.2, eval_files=[Path("eval.txt")])
+
+
+def test_a_tokenizer_json_is_copied_beside_the_data_and_read_from_there(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers", reason="the huggingface extra: pip install -e '.[huggingface]'")
+    words = {"[UNK]": 0, "def": 1, "return": 2, "x": 3}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "words.json"))
+    text = tmp_path / "text.txt"
+    text.write_text("def x return x y\n" * 100)
+    meta = prepare.prepare([text], tmp_path / "tokens", 0.2, str(tmp_path / "words.json"))
+    assert meta["tokenizer"] == "tokenizer.json" and meta["vocabulary_size"] == 4
+    assert np.fromfile(tmp_path / "tokens" / "train.bin", dtype=np.uint16)[:5].tolist() == [1, 3, 2, 3, 0]
+    (tmp_path / "words.json").unlink()  # the data's own copy is what training and sample read
+    cfg = small_config(f"dataset.dir={tmp_path / 'tokens'}")
+    assert data.tokenizer_file(cfg) == tmp_path / "tokens" / "tokenizer.json"
+    assert prepare.load_tokenizer(data.tokenizer_name(cfg)).decode([1, 3]) == "def x"
+    assert task.build_model(cfg).tokens.num_embeddings == 4
+
+
 def test_a_missing_token_directory_names_the_prepare_command(tmp_path):
     cfg = small_config(f"dataset.dir={tmp_path}")
     with pytest.raises(config.ConfigError, match=f"dataset.dir: {tmp_path} has no meta.json; write it with"):
@@ -139,7 +169,7 @@ def test_after_a_swap_prepare_and_sample_stop_with_one_line_saying_what_to_adapt
     monkeypatch.setattr(task, "build_model", lambda cfg: torch.nn.LSTM(2, 2))  # a model of your own: no context
     with pytest.raises(SystemExit) as stopped:
         sample.main([str(saved), "--tokens", "3"])
-    assert stopped.value.code == 2 and "and your model has no `context`: adapt generate()" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "and yours has neither: adapt generate()" in capsys.readouterr().err
 
 
 def test_generate_returns_the_tokens_asked_for_and_greedy_is_repeatable():
@@ -220,13 +250,3 @@ def test_under_fsdp_each_rank_holds_half_the_state_of_a_larger_model_as_estimate
     measured = json.loads((tmp_path / "memory-2.json").read_text())
     assert measured["parameters"] > 500_000
     assert max(measured["held_bytes"]) <= 0.55 * measured["ddp_bytes"]
-
-
-@needs_fsdp
-@pytest.mark.task
-def test_sample_reads_the_checkpoint_of_an_fsdp_run(tmp_path):
-    run = ("parallel.strategy=fsdp", "train.max_steps=10", "train.precision=fp32", "run.name=lm-fsdp")
-    torchrun(*train_args(tmp_path, *run), timeout=180)
-    model, tokenizer = sample.load(tmp_path / "lm-fsdp", torch.device("cpu"))
-    text = tokenizer.decode(sample.generate(model, tokenizer.encode("def "), 20, 0.8, 40))
-    assert len(text.encode()) >= 20

@@ -1,12 +1,12 @@
 """Fixed-length windows of token ids for the language model.
 
 `dataset.dir` names a directory written by `python -m {{ cookiecutter.package_name }}.tools.prepare`:
-train.bin and val.bin (token ids) and meta.json (their dtype, the vocabulary size and the
-tokenizer). The token files are read through numpy.memmap, so ranks and loader workers share
-the operating system's page cache instead of each holding a copy. Without `dataset.dir` the
-windows come from a built-in corpus, the sources of a few packages of Python's standard
-library read as bytes, so that the smoke check and a first run need neither preparation nor
-the network.
+train.bin and val.bin (token ids), meta.json (their dtype, the vocabulary size and the
+tokenizer) and, for a Hugging Face tokenizer, its tokenizer.json. The token files are read
+through numpy.memmap, so ranks and loader workers share the operating system's page cache
+instead of each holding a copy. Without `dataset.dir` the windows come from a built-in corpus,
+the sources of a few packages of Python's standard library read as bytes, so that the smoke
+check and a first run need neither preparation nor the network.
 
 Sample i is window i of `model.context + 1` consecutive tokens, as (inputs, targets) with the
 targets shifted by one: a map-style dataset, so DistributedSampler, set_epoch and mid-epoch
@@ -37,6 +37,7 @@ BYTES = "bytes"  # the tokenizer of the built-in corpus: one token per byte
 BUILT_IN_PACKAGES = ("json", "http")  # about 260 kB of Python: minutes of CPU training, seconds on a GPU
 SPLITS = {"train": "train.bin", "eval": "val.bin"}
 META = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"  # a `tokenizers` file, copied into the data directory by prepare
 
 
 @dataclass
@@ -175,10 +176,21 @@ def from_records(cfg: Config, train: Dataset, evaluation: Dataset) -> tuple[Data
 
 
 def tokenizer_name(cfg: Config) -> str:
-    """The tokenizer the windows were cut with, by the name prepare.py records."""
+    """The tokenizer the windows were cut with, as prepare.py records it: bytes, MODULE:ATTRIBUTE,
+    or the absolute path of the tokenizer.json in the data directory."""
     if cfg.data.shards is not None:
         return shards.facts(cfg)["tokenizer"]
-    return BYTES if cfg.dataset.dir is None else read_meta(cfg.dataset.dir)["tokenizer"]
+    if cfg.dataset.dir is None:
+        return BYTES
+    name = read_meta(cfg.dataset.dir)["tokenizer"]
+    return str((Path(cfg.dataset.dir) / name).resolve()) if name.endswith(".json") else name
+
+
+def tokenizer_file(cfg: Config) -> Path | None:
+    """The tokenizer.json the data was cut with, which an exported model takes along; None for
+    bytes or a tokenizer named MODULE:ATTRIBUTE."""
+    name = tokenizer_name(cfg)
+    return Path(name) if name.endswith(".json") else None
 
 
 def pack_facts(cfg: Config) -> dict:

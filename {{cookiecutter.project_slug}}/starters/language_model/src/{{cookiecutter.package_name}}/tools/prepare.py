@@ -1,15 +1,21 @@
 """Tokenize text files into the token files the language model trains on.
 
     python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --out DIR   # then dataset.dir=DIR
+    python -m {{ cookiecutter.package_name }}.tools.prepare TRAIN_FILES... --eval EVAL_FILES... --out DIR
+    python -m {{ cookiecutter.package_name }}.tools.prepare TEXT_FILES... --tokenizer tokenizer.json --out DIR
     python -m {{ cookiecutter.package_name }}.tools.prepare --out DIR                 # the built-in corpus
 
-The files' tokens are concatenated in the order given; the last --eval-share of them becomes
-DIR/val.bin, the rest DIR/train.bin, and DIR/meta.json records the token dtype, the
-vocabulary size and the tokenizer, which `sample` reloads. The default tokenizer is byte-level
-(256 ids, any file, nothing to download). Another one is named as MODULE:ATTRIBUTE, an object
-with encode(str) -> list[int], decode(list[int]) -> str and its vocabulary size as `n_vocab`
-or `vocab_size` (tiktoken's encodings have these): e.g. a file mytokenizer.py holding
-`gpt2 = tiktoken.get_encoding("gpt2")`, then `--tokenizer mytokenizer:gpt2`.
+The files' tokens are concatenated in the order given into DIR/train.bin; DIR/val.bin holds the
+tokens of the --eval files, or, without them, the last --eval-share (10%) of the files' tokens.
+DIR/meta.json records the token dtype, the vocabulary size, the tokenizer and the absolute paths
+of the sources; training and `sample` read it. The default tokenizer is byte-level (256 ids, any
+file, nothing to download). Another one is either
+- a `tokenizer.json` (the Hugging Face `tokenizers` library's file, the huggingface extra): it is
+  copied into DIR, so the tokenizer travels with the data, and meta.json names that copy; or
+- MODULE:ATTRIBUTE, an object with encode(str) -> list[int], decode(list[int]) -> str and its
+  vocabulary size as `n_vocab` or `vocab_size` (tiktoken's encodings have these): e.g. a file
+  mytokenizer.py holding `gpt2 = tiktoken.get_encoding("gpt2")`, then `--tokenizer mytokenizer:gpt2`.
+Each file is encoded on its own, without the special tokens a tokenizer's post-processor adds.
 """
 
 from __future__ import annotations
@@ -17,16 +23,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from .. import data
+from .. import data, extras
 from ..rules import ConfigError, exit_on_user_error
 
 # what this command writes for: the starter's data.py; after a swap of data.py it says so in one line
-STARTER_DATA = ("BYTE_VOCABULARY", "BYTES", "META", "SPLITS", "built_in_corpus", "tokenizer_name")
+STARTER_DATA = ("BYTE_VOCABULARY", "BYTES", "META", "SPLITS", "TOKENIZER_FILE", "built_in_corpus", "tokenizer_name")
 
 
 def check_starter_data(command: str) -> None:
@@ -52,14 +59,43 @@ class ByteTokenizer:
         return bytes(tokens).decode("utf-8", errors="replace")
 
 
+class TokenizerFile:
+    """A `tokenizers` library file (tokenizer.json) behind the encode/decode of the other tokenizers."""
+
+    def __init__(self, path: Path):
+        tokenizers = extras.require("tokenizers", f"tokenizer {path}")
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as err:  # the library raises its own exception type for a broken file
+            raise ConfigError(f"tokenizer {path}: not a tokenizers file ({err}); pass a tokenizer.json") from None
+        self.path = Path(path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+
 def load_tokenizer(name: str):
+    """The tokenizer `name` records: bytes, a tokenizer.json file, or MODULE:ATTRIBUTE."""
     if name == data.BYTES:
         return ByteTokenizer()
+    if name.endswith(".json"):
+        if not Path(name).is_file():
+            raise ConfigError(f"tokenizer {name}: no such file; prepare the data again, or pass an existing file")
+        return TokenizerFile(Path(name))
     module, _, attribute = name.partition(":")
     try:
         return getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"tokenizer {name!r}: {err}; name it as MODULE:ATTRIBUTE, or use {data.BYTES}") from None
+        raise ConfigError(
+            f"tokenizer {name!r}: {err}; name it as MODULE:ATTRIBUTE or a tokenizer.json file, or use {data.BYTES}"
+        ) from None
 
 
 def tokenizer_vocabulary(tokenizer) -> int:
@@ -77,29 +113,50 @@ def token_ids(files: list[Path], tokenizer) -> np.ndarray:
     return np.array([token for text in texts for token in tokenizer.encode(text)], dtype=np.int64)
 
 
-def prepare(files: list[Path], out: Path, eval_share: float, tokenizer_name: str | None = None) -> dict:
+def prepare(
+    files: list[Path],
+    out: Path,
+    eval_share: float | None = None,
+    tokenizer_name: str | None = None,
+    eval_files: list[Path] | None = None,
+) -> dict:
     """Write out/train.bin, out/val.bin and out/meta.json (bytes as tokens unless `tokenizer_name`
-    names a tokenizer); returns the meta record."""
+    names a tokenizer); val.bin from `eval_files`, or from the last `eval_share` (default 0.1) of
+    the files' tokens. Returns the meta record."""
     tokenizer_name = tokenizer_name or data.BYTES
-    missing = [str(path) for path in files if not path.is_file()]
+    missing = [str(path) for path in [*files, *(eval_files or [])] if not path.is_file()]
     if missing:
         raise ConfigError(f"no such file: {', '.join(missing)}")
+    if eval_files and eval_share is not None:
+        raise ConfigError("--eval-share and --eval: pass one of them (the --eval files are the evaluation set)")
+    eval_share = 0.1 if eval_share is None else eval_share
     if not 0 < eval_share < 1:
         raise ConfigError(f"--eval-share {eval_share}: use a share in (0, 1)")
     tokenizer = load_tokenizer(tokenizer_name)
     vocabulary = tokenizer_vocabulary(tokenizer)
     dtype = np.uint16 if vocabulary <= 2**16 else np.uint32
     tokens = token_ids(files, tokenizer).astype(dtype)
-    split = int(len(tokens) * (1 - eval_share))
+    if eval_files:
+        parts = (tokens, token_ids(eval_files, tokenizer).astype(dtype))
+    else:
+        split = int(len(tokens) * (1 - eval_share))
+        parts = (tokens[:split], tokens[split:])
     out.mkdir(parents=True, exist_ok=True)
-    for part, name in zip((tokens[:split], tokens[split:]), data.SPLITS.values(), strict=True):
+    for part, name in zip(parts, data.SPLITS.values(), strict=True):
         part.tofile(out / name)
+    if isinstance(tokenizer, TokenizerFile):  # the copy in the data folder is the one every later step reads
+        if tokenizer.path.resolve() != (out / data.TOKENIZER_FILE).resolve():
+            shutil.copyfile(tokenizer.path, out / data.TOKENIZER_FILE)
+        tokenizer_name = data.TOKENIZER_FILE
     meta = {
         "dtype": np.dtype(dtype).name,
         "vocabulary_size": vocabulary,
         "tokenizer": tokenizer_name,
-        "tokens": {"train": split, "eval": len(tokens) - split},
-        "sources": [str(path) for path in files] or ["built-in corpus"],
+        "tokens": {"train": len(parts[0]), "eval": len(parts[1])},
+        "sources": {
+            "train": [str(path.resolve()) for path in files] or ["built-in corpus"],
+            "eval": [str(path.resolve()) for path in eval_files or []] or [f"the last {eval_share:g} of the tokens"],
+        },
     }
     (out / data.META).write_text(json.dumps(meta, indent=2) + "\n")  # last: a directory with meta.json is complete
     return meta
@@ -107,18 +164,19 @@ def prepare(files: list[Path], out: Path, eval_share: float, tokenizer_name: str
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("files", nargs="*", type=Path, help="text files (none: the built-in corpus)")
+    parser.add_argument("files", nargs="*", type=Path, help="training text files (none: the built-in corpus)")
     parser.add_argument("--out", type=Path, required=True, help="directory for train.bin, val.bin, meta.json")
-    parser.add_argument("--eval-share", type=float, default=0.1, help="last share of the tokens held out")
-    parser.add_argument("--tokenizer", default=None, help="MODULE:ATTRIBUTE (default: bytes)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--eval", nargs="+", type=Path, default=None, help="evaluation text files (val.bin)")
+    parser.add_argument("--eval-share", type=float, default=None, help="without --eval: last share held out (0.1)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer.json, or MODULE:ATTRIBUTE (default: bytes)")
+    args = parser.parse_intermixed_args(argv)
     with exit_on_user_error():
         check_starter_data("tools.prepare")
-        meta = prepare(args.files, args.out, args.eval_share, args.tokenizer)
+        meta = prepare(args.files, args.out, args.eval_share, args.tokenizer, args.eval)
     print(
         f"{meta['tokens']['train']:,} training and {meta['tokens']['eval']:,} evaluation tokens "
         f"({meta['tokenizer']}, vocabulary {meta['vocabulary_size']:,}) in {args.out}; "
-        f"train with dataset.dir={args.out}"
+        f"train with dataset.dir={args.out.resolve()}"
     )
     return 0
 

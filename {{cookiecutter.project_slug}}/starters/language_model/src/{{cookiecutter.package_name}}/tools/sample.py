@@ -4,9 +4,13 @@
         [--temperature 0.8] [--top-k 40] [--seed 1] [--device cpu]
 
 CHECKPOINT is a training checkpoint (runs/<name>/checkpoints/step_*.pt) or a run directory
-(its newest loadable checkpoint). The config saved in the checkpoint rebuilds the model and names the
-tokenizer (dataset.dir's meta.json, or bytes). Runs on CUDA when there is a GPU, else on the
-CPU (--device picks). Prints the prompt followed by the generated text.
+(its newest loadable checkpoint), from any working directory: the config saved in the checkpoint
+rebuilds the model, its relative paths read from the directory the run was launched from, and
+names the tokenizer (dataset.dir's meta.json and the tokenizer.json beside it, or bytes). The model
+is the starter's GPT or any model whose forward takes token ids and returns logits, or an output
+holding them as `.logits` (a transformers causal LM); its context is its `context`, or
+`config.max_position_embeddings`. Runs on CUDA when there is a GPU, else on the CPU (--device
+picks). Prints the prompt followed by the generated text.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from .. import checkpoint, config, data, task
 from ..rules import ConfigError, exit_on_user_error
+from .export import launched_from
 from .prepare import check_starter_data, load_tokenizer
 
 
@@ -27,10 +32,11 @@ def generate(model, prompt: list[int], tokens: int, temperature: float, top_k: i
     """`tokens` new token ids after `prompt`, sampled one at a time; the model sees at most its
     context, so the oldest tokens drop out of view as the text grows."""
     model.eval()
-    device = next(model.parameters()).device
+    device, context = next(model.parameters()).device, context_of(model)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
     for _ in range(tokens):
-        logits = model(ids[:, -model.context :])[:, -1, :].float()
+        output = model(ids[:, -context:])
+        logits = getattr(output, "logits", output)[:, -1, :].float()
         if temperature == 0:
             following = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -43,18 +49,28 @@ def generate(model, prompt: list[int], tokens: int, temperature: float, top_k: i
     return ids[0, len(prompt) :].tolist()
 
 
+def context_of(model) -> int | None:
+    """How many tokens the model sees at once: the starter's `context`, or a transformers config's."""
+    context = getattr(model, "context", None)
+    if context is None:
+        context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
+
+
 def load(path: Path, device: torch.device):
     """(model on `device`, tokenizer) from a checkpoint file or a run directory."""
-    _, state = checkpoint.find(path)
+    found, state = checkpoint.find(path)
     cfg = config.from_dict(state["config"])
-    model = task.build_model(cfg)
-    if not isinstance(getattr(model, "context", None), int):
+    with launched_from(found, cfg):  # dataset.dir as the run read it, wherever this command runs
+        model = task.build_model(cfg)
+        tokenizer = load_tokenizer(data.tokenizer_name(cfg))
+    if context_of(model) is None:
         raise ConfigError(
-            "tools.sample generates with the starter's GPT (forward(token ids) -> logits, and its `context`), "
-            "and your model has no `context`: adapt generate() in tools/sample.py to your model, or delete it"
+            "tools.sample generates with a model that has a `context` (the starter's GPT) or a transformers "
+            "config's max_position_embeddings, and yours has neither: adapt generate() in tools/sample.py to "
+            "your model, or delete it"
         )
     model.load_state_dict(state["model"])
-    tokenizer = load_tokenizer(data.tokenizer_name(cfg))
     return model.to(device), tokenizer
 
 
