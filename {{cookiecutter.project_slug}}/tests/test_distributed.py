@@ -10,8 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import dist_proofs
 import pytest
+import stand_ins
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, run, torchrun
+from conftest import PROJECT, SMOKE_CONFIG, run, runs_fsdp, torchrun
 
 from {{ cookiecutter.package_name }} import config, loaders, sharding, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -19,20 +20,27 @@ from {{ cookiecutter.package_name }}.tools import checks
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
+STAND_INS = str(PROJECT / "tests" / "stand_ins.py")
 needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict:
-    """The proofs' launch and the sharded loop's, side by side (each leaves a core idle half the
-    time): {name: (result, out)}. The sharded proofs run in a launch of their own: FSDP keeps the
-    process group's gloo threads alive past teardown (torch 2.14), which the teardown proof below
-    must not see. A failing proof exits 1, and the tests below say which one failed."""
-    commands = {"proofs": []} | ({} if sharding.floor_problem() else {"fsdp": ["--only", "fsdp"]})
+def launches(tmp_path_factory, pytestconfig) -> dict:
+    """The 2-rank launches, side by side (each leaves a core idle half the time): {name: (result,
+    out)}. The proofs on the project's task; the stand-in tasks' proofs and smoke checks (the
+    seam's contract, tests/stand_ins.py); the sharded loop's proofs on the project's task, in a
+    launch of their own (FSDP keeps the process group's gloo threads alive past teardown, torch
+    2.14, which the teardown proof below must not see) and only where the tests marked fsdp run
+    (conftest.runs_fsdp). A failing proof exits 1, and the tests below say which one failed."""
+    floor = sharding.floor_problem()
+    commands = {"proofs": [PROOFS], "stand-ins": [STAND_INS, *([] if floor else ["--fsdp"])]}
+    if runs_fsdp(pytestconfig) and not floor:
+        commands["fsdp"] = [PROOFS, "--only", "fsdp"]
     outs = {name: tmp_path_factory.mktemp(name) for name in commands}
 
     def launch(name):
-        return torchrun(PROOFS, str(outs[name]), *commands[name], nproc=2, timeout=180, check=False), outs[name]
+        script, *options = commands[name]
+        return torchrun(script, str(outs[name]), *options, nproc=2, timeout=240, check=False), outs[name]
 
     with ThreadPoolExecutor(len(commands)) as pool:
         return dict(zip(commands, pool.map(launch, commands), strict=True))
@@ -192,6 +200,19 @@ def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in()
         assert all(torch.equal(a, b) for a, b in zip(leaves(ours), leaves(theirs), strict=True))
 
 
+def test_the_proofs_and_the_smoke_check_hold_for_a_model_that_needs_a_state_and_one_called_with_keywords(launches):
+    # the seam's contract in the proofs and the smoke check, whatever the project's own model
+    result, _ = launches["stand-ins"]
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    sharded = not sharding.floor_problem()  # the sharded loop's too, on these models in any project
+    tables = result.stdout.split("stand-in ")[1:]
+    assert [table.split()[0] for table in tables] == list(stand_ins.STAND_INS)
+    for table in tables:
+        assert "proofs on 2 ranks: PASS (0 failed" in table
+        assert ("fsdp proofs on 2 ranks: PASS (0 failed" in table) == sharded
+        assert table.count("smoke: PASS (0 failed") == 1 + sharded  # under ddp, and fsdp
+
+
 @pytest.fixture(scope="module")
 def sharded_launch(launches):
     return launches["fsdp"]
@@ -205,6 +226,7 @@ def sharded(sharded_launch):
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_the_fsdp_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(sharded_launch):
     result, _ = sharded_launch
     assert result.returncode == 0 and "fsdp proofs on 2 ranks: PASS (0 failed" in result.stdout, result.stdout[-3000:]
@@ -212,6 +234,7 @@ def test_the_fsdp_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(shar
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 @pytest.mark.parametrize("name", ["equivalence", "accumulation", "accumulation_whole"])
 def test_fsdp_gradients_and_updates_equal_one_process_on_the_global_batch(sharded, name):
     # accumulation over 4 micro-batches, gradients reduced at each (sharded between them) or only
@@ -223,6 +246,7 @@ def test_fsdp_gradients_and_updates_equal_one_process_on_the_global_batch(sharde
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_fsdp_evaluation_counts_each_sample_once_with_rank_0s_batchnorm_statistics(sharded):
     result = sharded["equivalence"]
     assert result["evaluation"]["eval_samples"] == result["eval_set"]
@@ -232,6 +256,7 @@ def test_fsdp_evaluation_counts_each_sample_once_with_rank_0s_batchnorm_statisti
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_fsdp_shards_every_unit_and_recomputes_their_activations(sharded):
     shard = sharded["sharding"]
     assert shard["units"] > 0 and shard["units_sharded"] == shard["units"] and shard["root_sharded"]
@@ -240,12 +265,14 @@ def test_fsdp_shards_every_unit_and_recomputes_their_activations(sharded):
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_fsdp_holds_half_of_ddps_state_on_two_ranks_as_estimated(sharded):
     verdict, _, detail = dist_proofs.memory_verdict(sharded["equivalence"])
     assert verdict == PASS, detail
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 @pytest.mark.slow
 def test_fsdp_proofs_hold_on_three_ranks_with_uneven_shards(tmp_path):
     result = torchrun(PROOFS, str(tmp_path), "--only", "fsdp", nproc=3, timeout=240, check=False)

@@ -8,12 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_losses
+import torch
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_losses
+from stand_ins import Progressions, Streams, install
+from torch.utils.data import Subset
 
-from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }} import config, records, task
+from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import smoke
 
 SCRIPTS = PROJECT / "scripts"
+WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+QUICK = ["data.num_workers=0", "run.tensorboard=false"]
 
 
 def free_port() -> int:
@@ -120,27 +126,67 @@ def smoke_rows(output: str) -> dict:
 
 @pytest.mark.task
 def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
+    # the run configs/default.yaml sets (model, data, precision, strategy), made short: ten steps
+    # of small batches and a short evaluation; the rows expected are those of this project's run
+    shorter = ("train.max_steps=10", "data.batch_size=4", "train.eval_limit=32")
     result = run(
-        ["bash", "scripts/smoke.sh", f"run.out_dir={tmp_path}"], env=project_env(CUDA_VISIBLE_DEVICES=""), timeout=180
+        ["bash", "scripts/smoke.sh", *shorter, f"run.out_dir={tmp_path}"],
+        env=project_env(CUDA_VISIBLE_DEVICES=""),
+        timeout=240,
     )
     rows = smoke_rows(result.stdout)
-    assert "smoke: PASS (0 failed" in result.stdout
+    assert "smoke: PASS (0 failed" in result.stdout, result.stdout[-3000:]
+    configured = config.load(PROJECT / "configs" / "default.yaml").train
     for check in (
         "backend",
         "gradients all-reduced",
         "parameters equal on all ranks",
         "loss decreases",
-        "one all-reduce per optimizer step",
         "precision",
         "checkpoint round trip",
         "eval counts every sample once",
     ):
         assert rows[check][0] == "PASS", (check, rows[check])
+    sharded = configured.strategy == "fsdp"
+    assert ("reduce-scattered" in rows["gradients all-reduced"][1]) == sharded
+    per_step = rows["one all-reduce per optimizer step"]
+    assert per_step[0] == "SKIP" and "train.strategy=fsdp" in per_step[1] if sharded else per_step[0] == "PASS"
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
-    assert rows["SyncBatchNorm"][0] == "SKIP" and "needs CUDA" in rows["SyncBatchNorm"][1]
+    why = "needs CUDA" if configured.sync_batchnorm else "train.sync_batchnorm is off"
+    assert rows["SyncBatchNorm"][0] == "SKIP" and why in rows["SyncBatchNorm"][1], rows["SyncBatchNorm"]
     assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
-    configured = config.load(PROJECT / "configs" / "default.yaml").train.precision  # the run it checks is yours
-    assert rows["precision"][1].startswith(f"{configured}: autocast matmul in "), rows["precision"]
+    assert rows["precision"][1].startswith(f"{configured.precision}: autocast matmul in "), rows["precision"]
+
+
+def smoke_checks(out_dir, *overrides: str) -> tuple[dict, config.Config]:
+    """The smoke check's rows, {name: (verdict, detail)}, on the test-sized run with `overrides`, in
+    this process (a world of one); and its config."""
+    cfg = config.load(SMOKE_CONFIG, [*smoke.SMOKE_RUN, *QUICK, *overrides, f"run.out_dir={out_dir}"])
+    return {what: (verdict, detail) for verdict, what, detail in smoke.run_checks(cfg, WORLD_OF_ONE)}, cfg
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_smoke_check_evaluates_once_however_many_epochs_its_steps_span(tmp_path, monkeypatch):
+    build_datasets = task.build_datasets
+
+    def short_training_set(cfg):  # 64 samples: an epoch every 4 steps of 16
+        train_set, eval_set = build_datasets(cfg)
+        return Subset(train_set, range(64)), eval_set
+
+    monkeypatch.setattr(task, "build_datasets", short_training_set)
+    rows, cfg = smoke_checks(tmp_path, "train.epochs=9", "train.max_steps=12")
+    evaluations = records.of_kind(read_metrics(cfg.run_dir), records.EVAL)
+    assert [r["step"] for r in evaluations] == [12] and rows["eval counts every sample once"][0] == "PASS"
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_smoke_check_evaluates_as_much_as_eval_limit_training_samples_hold(tmp_path, monkeypatch):
+    install("recurrent", monkeypatch)  # windows of 7 tokens to train on, streams of 210 to evaluate
+    monkeypatch.setattr(task, "build_datasets", lambda cfg: (Progressions(512, 0), Streams(20, 30)))
+    rows, _ = smoke_checks(tmp_path, "train.max_steps=10", "train.eval_limit=60")
+    verdict, detail = rows["eval counts every sample once"]
+    assert verdict == "PASS" and detail.startswith("2 of 2 samples on 1 ranks; each holds 30x a training sample's")
+    assert "the first 2, as much as 60 training samples (train.eval_limit)" in detail
 
 
 @pytest.mark.slow
