@@ -1,6 +1,7 @@
 """Launch scripts, the smoke check and the diagnostics."""
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -34,6 +35,16 @@ def test_scripts_are_executable_and_parse():
             run(["bash", "-n", str(script)])
             if script.name != "common.sh":
                 assert script.stat().st_mode & stat.S_IXUSR, f"{script.name} is not executable"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_leaves_out_what_runs_write_and_the_data_folder_but_not_the_code(tmp_path):
+    shutil.copy(PROJECT / ".gitignore", tmp_path / ".gitignore")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    written = ["runs/default/checkpoints/step_00000100.pt", "data/mine/train.bin", "data/packed/pack.json"]
+    ours = [f"src/{PACKAGE}/data.py", "configs/default.yaml", "tests/test_task.py"]
+    found = subprocess.run(["git", "check-ignore", *written, *ours], cwd=tmp_path, capture_output=True, text=True)
+    assert found.stdout.split() == written
 
 
 @pytest.mark.slow

@@ -453,7 +453,7 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
         f"{lr_line(cfg, lr, job.global_batch)}\n"
-        f"{cfg.optim.name} optimizer, {cfg.train.schedule} schedule, warmup {warmup:.1%} of "
+        f"{optimizer_text(cfg)}, {cfg.train.schedule} schedule, {warmup_text(warmup)}, "
         f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
         f"{cfg.train.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}\n"
@@ -477,6 +477,21 @@ def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
         f"lr {lr:.3g}: train.lr {tuned:g} tuned at batch {reference}, scaled {rule} ({why}) to the global batch "
         f"{global_batch}; train.lr_scaling=none keeps {tuned:g}"
     )
+
+
+def optimizer_text(cfg: Config) -> str:
+    """The optimizer and the settings of it that shape every step: SGD's momentum (0.9 here by
+    default; torch's own default is 0) and Nesterov, AdamW's betas."""
+    settings = cfg.optim
+    if settings.name == "sgd":
+        return f"sgd optimizer (momentum {settings.momentum:g}{', Nesterov' if settings.nesterov else ''})"
+    if settings.name == "adamw":
+        return f"adamw optimizer (betas {settings.betas[0]:g}, {settings.betas[1]:g})"
+    return f"{settings.name} optimizer"
+
+
+def warmup_text(warmup: float) -> str:
+    return f"warmup {warmup:.1%} of the steps" if warmup else "no warmup (train.warmup_fraction=0)"
 
 
 def planned_steps(cfg: Config, total_steps: int) -> str:
