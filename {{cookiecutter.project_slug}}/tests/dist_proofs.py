@@ -251,8 +251,9 @@ def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
     """What wrap did under train.strategy=fsdp: every unit and the root sharded, every parameter
     a shard, each unit's activations recomputed."""
     cfg = config.load(SMOKE, [*SHARDED, *overrides])
-    model = train.wrap(task.build_model(cfg), cfg, info)
-    units = sharding.units(model)
+    model = task.build_model(cfg)
+    units = sharding.units(model)  # of the model as built: fully_shard changes the units' classes
+    model = train.wrap(model, cfg, info)
     return {
         "units": len(units),
         "units_sharded": sum(dist.sharded(unit) for unit in units),

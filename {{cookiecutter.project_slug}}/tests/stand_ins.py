@@ -6,7 +6,8 @@ through unchanged, and the task reads its module's attributes through samples.un
     recurrent  forward(tokens, state) -> (logits, state): a state it cannot run without, from the
                module's own init_state (reached with unwrap: the model the task gets is wrapped)
     keyword    forward(*, input_ids, labels=None) -> {"loss": a mean, "logits"}: keyword arguments
-               only, Hugging Face's shape; padded labels, so the loss terms vary; tied weights
+               only, Hugging Face's shape; padded labels, so the loss terms vary; tied weights; its
+               units named by class (_no_split_modules), as the model is built, not as sharded
 
 Each is self-contained (its model, data and every task function) and small: seconds a run.
 
@@ -161,7 +162,9 @@ class RecurrentTask:
 
 class Keyword(nn.Module):
     """Hugging Face's shape: keyword arguments only, a dict out, the mean loss over the labels it
-    shifts itself, the head tied to the embedding."""
+    shifts itself, the head tied to the embedding, its blocks named by class in _no_split_modules."""
+
+    _no_split_modules = ["Block"]
 
     def __init__(self):
         super().__init__()
@@ -239,7 +242,9 @@ class KeywordTask:
 
     @staticmethod
     def shard_units(model: nn.Module) -> list[nn.Module]:
-        return list(model.layers)  # the embedding and the head share a weight: the root's
+        """The modules of the classes _no_split_modules names, as Hugging Face models are split (the
+        embedding and the head share a weight: the root's)."""
+        return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
 
 
 STAND_INS = {"recurrent": RecurrentTask, "keyword": KeywordTask}

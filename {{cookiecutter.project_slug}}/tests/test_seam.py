@@ -2,16 +2,18 @@
 helpers, the smoke check, `diagnose` and the proofs call the model only through the task's
 functions and pass its arguments through unchanged, and a task reaches its module through
 samples.unwrap. Two stand-in tasks (tests/stand_ins.py) are installed in place of the project's
-seam: a model whose forward requires a state, and one called with keyword arguments only; the
-proofs and the smoke check run on them on 2 ranks in test_distributed.py."""
+seam: a model whose forward requires a state, and one called with keyword arguments only. The
+fast tier runs them in this process; the slow tier runs the proofs and the smoke check on them
+on 2 ranks, under ddp and fsdp."""
 
+import dist_proofs
 import pytest
 import torch
-from conftest import SMOKE_CONFIG, read_metrics
+from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun
 from stand_ins import STAND_INS, Recurrent, RecurrentTask, install
 from torch.nn.parallel import DistributedDataParallel
 
-from {{ cookiecutter.package_name }} import config, loaders, preflight, records, task, train
+from {{ cookiecutter.package_name }} import config, loaders, preflight, records, sharding, task, train
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.samples import unwrap
 from {{ cookiecutter.package_name }}.tools import diagnose, smoke
@@ -44,6 +46,12 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
     failed = [what for verdict, what, _ in smoke.run_checks(checked, WORLD_OF_ONE) if verdict == "FAIL"]
     assert set(failed) <= {"loss decreases"}, failed  # four steps need not learn
 
+    # the proofs' own calls of the task (their one-process references), here in a world of one
+    weighting = dist_proofs.prove_unequal_terms_are_weighted_globally(tmp_path / "proofs", [], WORLD_OF_ONE)
+    assert weighting["max_difference"] < dist_proofs.WEIGHTING_TOLERANCE
+    counted = dist_proofs.prove_eval_counts([], WORLD_OF_ONE)
+    assert counted[records.EVAL_SAMPLES] == counted["dataset_size"]
+
 
 def test_unwrap_reaches_the_module_under_ddp_and_compile():
     module = Recurrent()
@@ -70,3 +78,19 @@ def test_a_task_that_reads_its_module_off_the_wrapped_model_stops_before_trainin
         preflight.check_task(task.build_model(cfg), *pieces)
     monkeypatch.setattr(task, "loss_sum", RecurrentTask.loss_sum)  # through unwrap: the check passes
     preflight.check_task(task.build_model(cfg), *pieces)
+
+
+@pytest.mark.slow
+def test_the_proofs_and_the_smoke_check_hold_on_two_ranks_for_a_model_that_needs_a_state_and_one_of_keywords(
+    tmp_path,
+):
+    sharded = not sharding.floor_problem()  # the sharded loop's too: these models shard, in any project
+    launch = [str(PROJECT / "tests" / "stand_ins.py"), str(tmp_path), *(["--fsdp"] if sharded else [])]
+    result = torchrun(*launch, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    tables = result.stdout.split("stand-in ")[1:]
+    assert [table.split()[0] for table in tables] == list(STAND_INS)
+    for table in tables:
+        assert "proofs on 2 ranks: PASS (0 failed" in table
+        assert ("fsdp proofs on 2 ranks: PASS (0 failed" in table) == sharded
+        assert table.count("smoke: PASS (0 failed") == 1 + sharded  # under ddp, and fsdp

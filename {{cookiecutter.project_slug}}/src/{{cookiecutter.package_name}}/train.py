@@ -159,6 +159,7 @@ class Job:
     global_batch: int  # samples an optimizer step learns from, over every rank and micro-batch
     clock: StepClock  # where each step's time goes
     profiler: ProfileWindow | None  # run.profile_steps; None when off
+    units: list[nn.Module]  # train.strategy=fsdp: the modules sharded one by one (task.shard_units)
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
@@ -172,6 +173,8 @@ def build(cfg: Config, info: DistInfo) -> Job:
     workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
+    # the seam names units in the model as built: fully_shard changes their classes (FSDPBlock)
+    units = sharding.units(raw_model) if cfg.train.strategy == "fsdp" else []
     model = wrap(raw_model, cfg, info)
     loaders.check_equal_lengths(len(train_loader), info)
 
@@ -188,7 +191,8 @@ def build(cfg: Config, info: DistInfo) -> Job:
         scaler=torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16"),
     )
     profiler = profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info)
-    return Job(model, state, train_loader, eval_loader, total_steps, global_batch, StepClock(info.device), profiler)
+    clock = StepClock(info.device)
+    return Job(model, state, train_loader, eval_loader, total_steps, global_batch, clock, profiler, units)
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
@@ -457,7 +461,7 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
         f"{cfg.train.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}\n"
-        f"parameters {params:,}; {memory_line(cfg, info, job.model)}\n"
+        f"parameters {params:,}; {memory_line(cfg, info, job.model, job.units)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
     notes = hardware.precision_note(cfg.train.precision, info.device), loaders.worker_start_note(cfg, job.train_loader)
@@ -502,10 +506,10 @@ def planned_steps(cfg: Config, total_steps: int) -> str:
     return f"{total_steps} steps"
 
 
-def memory_line(cfg: Config, info: DistInfo, model: nn.Module) -> str:
-    """The static memory per device (weights, gradients, optimizer state) under the run's strategy."""
+def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Module]) -> str:
+    """The static memory per device (weights, gradients, optimizer state) under the run's strategy,
+    the model sharded in `units` under fsdp."""
     bare = dist.bare(model)
-    units = sharding.units(bare) if cfg.train.strategy == "fsdp" else []
     mib = sharding.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
     whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
     if cfg.train.strategy == "ddp":
