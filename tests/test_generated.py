@@ -15,7 +15,7 @@ defaults project already runs: the language model's real-text training and sampl
 classifier's ResNet-18 learning the drawn shapes from JPEG files to 0.9 top-1 (with `--fsdp`: its
 FSDP proofs and smoke check, BatchNorm in every stage). The language model is baked with
 strategy=fsdp, the way a project that shards runs its suite: the FSDP proofs on its tied
-embedding on 2 ranks and 3, and smoke.sh on its configured run under fsdp.
+embedding on 2 ranks and 3, and smoke.sh under fsdp.
 """
 
 import os
@@ -32,13 +32,13 @@ EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to 
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
 SHARDS = "tests/test_shards.py"  # packed shards: a folder and an S3-compatible server on loopback
 SEAM = "--ignore=tests/test_seam.py"  # the stand-in tasks replace the seam: the same tests in every project
-# the language model's (fsdp), a project that shards: its 3-rank proofs and smoke.sh under fsdp;
+# the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp;
 # the image classifier's ResNet passes the FSDP smoke check with BatchNorm
 FSDP_ELSEWHERE = "fsdp_proofs_hold_on_three_ranks or smoke_check_passes_under_fsdp"
 # the task's slow tests that are not the task's own: evaluation counts and resume, which the
 # defaults project runs for every code path they share; of the FSDP runs, the image classifier
-# passes the smoke check and the language model (fsdp) passes smoke.sh on its configured run and
-# reaches its ddp run's evaluation
+# passes the smoke check and the language model (fsdp) passes smoke.sh (its project's strategy)
+# and reaches its ddp run's evaluation
 SHARED = "eval_counts_each_sample or resume_mid_epoch"
 # and of the fast tier, the loop's wiring of each schedule, named optimizer and their resume, the
 # NaN stop and the setting aside of an abandoned attempt's checkpoints (test_wiring.py): train.py's

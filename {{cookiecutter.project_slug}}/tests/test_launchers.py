@@ -137,17 +137,17 @@ def smoke_rows(output: str) -> dict:
 
 @pytest.mark.task
 def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
-    # the run configs/default.yaml sets (model, data, precision, strategy), made short: ten steps
-    # of small batches and a short evaluation; the rows expected are those of this project's run
-    shorter = ("train.max_steps=10", "data.batch_size=4", "train.eval_limit=32")
+    # the test-sized run (configs/default.yaml's may take hours on a CPU) under this project's
+    # strategy and SyncBatchNorm setting; the rows expected are those the check gives that run
+    project = config.load(PROJECT / "configs" / "default.yaml").train
+    settings = [f"train.strategy={project.strategy}", f"train.sync_batchnorm={str(project.sync_batchnorm).lower()}"]
     result = run(
-        ["bash", "scripts/smoke.sh", *shorter, f"run.out_dir={tmp_path}"],
+        ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, *settings, f"run.out_dir={tmp_path}"],
         env=project_env(CUDA_VISIBLE_DEVICES=""),
-        timeout=240,
+        timeout=180,
     )
     rows = smoke_rows(result.stdout)
     assert "smoke: PASS (0 failed" in result.stdout, result.stdout[-3000:]
-    configured = config.load(PROJECT / "configs" / "default.yaml").train
     for check in (
         "backend",
         "gradients all-reduced",
@@ -158,15 +158,16 @@ def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
         "eval counts every sample once",
     ):
         assert rows[check][0] == "PASS", (check, rows[check])
-    sharded = configured.strategy == "fsdp"
+    checked = config.load(SMOKE_CONFIG, settings).train
+    sharded = checked.strategy == "fsdp"
     assert ("reduce-scattered" in rows["gradients all-reduced"][1]) == sharded
     per_step = rows["one all-reduce per optimizer step"]
     assert per_step[0] == "SKIP" and "train.strategy=fsdp" in per_step[1] if sharded else per_step[0] == "PASS"
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
-    why = "needs CUDA" if configured.sync_batchnorm else "train.sync_batchnorm is off"
+    why = "needs CUDA" if checked.sync_batchnorm else "train.sync_batchnorm is off"
     assert rows["SyncBatchNorm"][0] == "SKIP" and why in rows["SyncBatchNorm"][1], rows["SyncBatchNorm"]
     assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
-    assert rows["precision"][1].startswith(f"{configured.precision}: autocast matmul in "), rows["precision"]
+    assert rows["precision"][1].startswith(f"{checked.precision}: autocast matmul in "), rows["precision"]
 
 
 def smoke_checks(out_dir, *overrides: str) -> tuple[dict, config.Config]:
