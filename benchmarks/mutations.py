@@ -65,9 +65,9 @@ BUILD_UP_TO_THE_OPTIMIZER = (
     "    global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps\n"
     "    steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps\n"
     '    total_steps = min(cfg.train.epochs * steps_per_epoch, cfg.train.max_steps or float("inf"))\n'
-    "    rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)\n"
-    "    lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)\n"
-    "    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)\n"
+    "    rule = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name)\n"
+    "    lr = optim.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.reference_batch_size, rule)\n"
+    "    warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, global_batch, cfg.optim.reference_batch_size)\n"
     "    optimizer = optim.build_optimizer(raw_model, cfg, lr)\n"
 )
 MUTANTS = [
@@ -173,8 +173,8 @@ MUTANTS = [
         "LR rule off at the call site",
         "P22 LR scaling",
         TRAIN,
-        "lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)",
-        "lr = cfg.train.lr",
+        "lr = optim.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.reference_batch_size, rule)",
+        "lr = cfg.optim.lr",
     ),
     Mutant(
         "warmup off in build_scheduler",
@@ -194,35 +194,35 @@ MUTANTS = [
         "auto scaling ignores the optimizer",
         "P22 LR scaling: linear for SGD, square root for the Adam family",
         TRAIN,
-        "rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)",
-        'rule = optim.scaling_rule(cfg.train.lr_scaling, "adamw")',
+        "rule = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name)",
+        'rule = optim.scaling_rule(cfg.optim.lr_scaling, "adamw")',
     ),
     Mutant(
         "optimizer setting dropped at the call site",
         "optim.name: the optimizer the settings name",
         TRAIN,
         "optimizer = optim.build_optimizer(raw_model, cfg, lr)",
-        "optimizer = torch.optim.AdamW(optim.parameter_groups(raw_model, cfg.train.weight_decay), lr=lr)",
+        "optimizer = torch.optim.AdamW(optim.parameter_groups(raw_model, cfg.optim.weight_decay), lr=lr)",
     ),
     Mutant(
         "every schedule is cosine",
-        "train.schedule: the schedule the settings name",
+        "schedule.name: the schedule the settings name",
         OPTIM,
-        '    if train.schedule == "cosine":',
+        '    if schedule.name == "cosine":',
         "    if True:",
     ),
     Mutant(
         "step schedule without its drops",
-        "train.schedule=step: x gamma at each milestone",
+        "schedule.name=step: x gamma at each milestone",
         OPTIM,
-        "        return train.gamma**passed",
+        "        return schedule.gamma**passed",
         "        return 1.0",
     ),
     Mutant(
         "the task's schedule ignored",
-        "train.schedule=task: the seam's scheduler",
+        "schedule.name=task: the seam's scheduler",
         OPTIM,
-        '    if cfg.train.schedule == "task":\n        return task.build_scheduler(cfg, optimizer, total_steps)\n',
+        '    if cfg.schedule.name == "task":\n        return task.build_scheduler(cfg, optimizer, total_steps)\n',
         "",
     ),
     Mutant(
@@ -384,8 +384,8 @@ MUTANTS = [
         "fsdp no gradient sync on the last micro-batch",
         "FSDP reduces the step's gradients",
         SHARDING,
-        "        model.set_requires_gradient_sync(syncs or cfg.fsdp.reduce_every_micro_batch)",
-        "        model.set_requires_gradient_sync(not syncs and cfg.fsdp.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(not syncs and cfg.parallel.reduce_every_micro_batch)",
     ),
     Mutant(
         "fsdp optimizer built before sharding",

@@ -36,20 +36,20 @@ def pytest_addoption(parser):
         "--fsdp",
         action="store_true",
         help="also run the FSDP proofs and drills on the project's model where configs/default.yaml trains with "
-        "ddp: before switching train.strategy to fsdp",
+        "ddp: before switching parallel.strategy to fsdp",
     )
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "fsdp: runs the project's model sharded (train.strategy=fsdp); where configs/default.yaml trains with "
+        "fsdp: runs the project's model sharded (parallel.strategy=fsdp); where configs/default.yaml trains with "
         "ddp, skipped with the reason unless --fsdp is given",
     )
 
 
 def project_strategy() -> str:
-    """train.strategy as configs/default.yaml sets it (the dataclass default, ddp, where it does not)."""
+    """parallel.strategy as configs/default.yaml sets it (the dataclass default, ddp, where it does not)."""
     settings = yaml.safe_load((PROJECT / "configs" / "default.yaml").read_text()) or {}
     return (settings.get("train") or {}).get("strategy", "ddp")
 
@@ -62,7 +62,7 @@ def runs_fsdp(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     if not runs_fsdp(config):
         skip = pytest.mark.skip(
-            reason=f"configs/default.yaml trains with train.strategy={project_strategy()}: the FSDP proofs and drills "
+            reason=f"configs/default.yaml trains with parallel.strategy={project_strategy()}: the FSDP proofs and drills "
             "run where it is fsdp (a model that trains under DDP need not shard); before switching to fsdp, run "
             "them on your model: `python -m pytest --fsdp` (with --slow for the drills)"
         )

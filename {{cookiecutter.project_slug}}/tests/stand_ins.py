@@ -290,7 +290,7 @@ def main() -> int:
                 codes.append(dist_proofs.prove(proofs, info))
             for strategy in strategies:
                 install(name)
-                overrides = [*smoke.SMOKE_RUN, "train.max_steps=20", f"train.strategy={strategy}"]
+                overrides = [*smoke.SMOKE_RUN, "train.max_steps=20", f"parallel.strategy={strategy}"]
                 cfg = config.load(dist_proofs.SMOKE, [*overrides, f"run.out_dir={out / strategy}"])
                 codes.append(smoke.smoke(cfg, info))
         return max(codes)

@@ -140,7 +140,7 @@ def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
     # the test-sized run (configs/default.yaml's may take hours on a CPU) under this project's
     # strategy and SyncBatchNorm setting; the rows expected are those the check gives that run
     project = config.load(PROJECT / "configs" / "default.yaml").train
-    settings = [f"train.strategy={project.strategy}", f"train.sync_batchnorm={str(project.sync_batchnorm).lower()}"]
+    settings = [f"parallel.strategy={project.strategy}", f"parallel.sync_batchnorm={str(project.sync_batchnorm).lower()}"]
     result = run(
         ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, *settings, f"run.out_dir={tmp_path}"],
         env=project_env(CUDA_VISIBLE_DEVICES=""),
@@ -162,9 +162,9 @@ def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
     sharded = checked.strategy == "fsdp"
     assert ("reduce-scattered" in rows["gradients all-reduced"][1]) == sharded
     per_step = rows["one all-reduce per optimizer step"]
-    assert per_step[0] == "SKIP" and "train.strategy=fsdp" in per_step[1] if sharded else per_step[0] == "PASS"
+    assert per_step[0] == "SKIP" and "parallel.strategy=fsdp" in per_step[1] if sharded else per_step[0] == "PASS"
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
-    why = "needs CUDA" if checked.sync_batchnorm else "train.sync_batchnorm is off"
+    why = "needs CUDA" if checked.sync_batchnorm else "parallel.sync_batchnorm is off"
     assert rows["SyncBatchNorm"][0] == "SKIP" and why in rows["SyncBatchNorm"][1], rows["SyncBatchNorm"]
     assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
     assert rows["precision"][1].startswith(f"{checked.precision}: autocast matmul in "), rows["precision"]
@@ -195,10 +195,10 @@ def test_the_smoke_check_evaluates_once_however_many_epochs_its_steps_span(tmp_p
 def test_the_smoke_check_evaluates_as_much_as_eval_limit_training_samples_hold(tmp_path, monkeypatch):
     install("recurrent", monkeypatch)  # windows of 7 tokens to train on, streams of 210 to evaluate
     monkeypatch.setattr(task, "build_datasets", lambda cfg: (Progressions(512, 0), Streams(20, 30)))
-    rows, _ = smoke_checks(tmp_path, "train.max_steps=10", "train.eval_limit=60")
+    rows, _ = smoke_checks(tmp_path, "train.max_steps=10", "eval.limit=60")
     verdict, detail = rows["eval counts every sample once"]
     assert verdict == "PASS" and detail.startswith("2 of 2 samples on 1 ranks; each holds 30x a training sample's")
-    assert "the first 2, as much as 60 training samples (train.eval_limit)" in detail
+    assert "the first 2, as much as 60 training samples (eval.limit)" in detail
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
     name, monkeypatch, tmp_path, capsys
 ):
     install(name, monkeypatch)
-    steps = ["train.max_steps=4", "checkpoint.every_steps=2", "run.log_every=2", "train.eval_limit=9"]
+    steps = ["train.max_steps=4", "checkpoint.every_steps=2", "run.log_every=2", "eval.limit=9"]
     cfg = config.load(SMOKE_CONFIG, [*QUICK, *steps, f"run.out_dir={tmp_path}"])
     assert train.run(cfg, WORLD_OF_ONE) == 0  # the start-up check, the steps, a checkpoint, evaluation
     logged = read_metrics(cfg.run_dir)

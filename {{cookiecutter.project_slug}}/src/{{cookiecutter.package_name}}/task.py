@@ -15,14 +15,14 @@ they call only these:
     MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
     throughput(cfg, model)    -> what a sample is worth in the log: units (tokens...) and FLOPs, for MFU
 
-and, optionally, an optimizer or schedule of your own (optim.name=task, train.schedule=task):
+and, optionally, an optimizer or schedule of your own (optim.name=task, schedule.name=task):
 
     build_optimizer(cfg, param_groups, lr) -> torch.optim.Optimizer over the parameter groups
                                  (norms and biases already without weight decay; lr already scaled)
     build_scheduler(cfg, optimizer, total_steps) -> an LRScheduler, stepped once per optimizer step
 
-and, optionally, for a model sharded over the ranks (train.strategy=fsdp) or recomputed in backward
-(train.activation_checkpointing):
+and, optionally, for a model sharded over the ranks (parallel.strategy=fsdp) or recomputed in backward
+(parallel.activation_checkpointing):
 
     shard_units(model)        -> the modules to shard and recompute one by one (a transformer's blocks);
                                  a module holding a tied weight stays out of them (the root keeps it);
@@ -51,7 +51,7 @@ The model these functions get: only loss_sum and eval_sums call the model, so it
 whatever they pass it (a state, keyword arguments, a dict), and everything else (the start-up
 check, the smoke check, diagnose, the tests, the proofs) calls those two. They get the model as
 the loop wrapped it: DDP around your module (around torch.compile's, with train.compile), the
-module sharded in place under train.strategy=fsdp, your module in a world of one, and before
+module sharded in place under parallel.strategy=fsdp, your module in a world of one, and before
 training, on the CPU, a wrapper that stands for them. Call the model itself to run it: the
 wrapper's forward is what reduces gradients (DDP) and gathers shards (FSDP). Read your module's
 attributes and call its other methods through `unwrap(model)` (from samples.py), the one way to

@@ -146,8 +146,8 @@ def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
 
 
 def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
-    if not cfg.train.sync_batchnorm:
-        return SKIP, "train.sync_batchnorm is off"
+    if not cfg.parallel.sync_batchnorm:
+        return SKIP, "parallel.sync_batchnorm is off"
     if info.device.type != "cuda" or not info.distributed:
         return SKIP, "SyncBatchNorm needs CUDA and more than one process"
     if not train.has_batchnorm(model):
@@ -158,9 +158,9 @@ def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
 
 
 def with_one_evaluation(cfg: config.Config) -> config.Config:
-    """`cfg` evaluating once, at the end of its train.max_steps: train.eval_every=null evaluates at
+    """`cfg` evaluating once, at the end of its train.max_steps: eval.every=null evaluates at
     each epoch's end too, and a small training set ends several epochs within the steps."""
-    if cfg.train.eval_every is not None or cfg.train.max_steps is None:
+    if cfg.eval.every is not None or cfg.train.max_steps is None:
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=cfg.train.max_steps))
 
@@ -207,7 +207,7 @@ def _loss_trend(logged: list[dict]) -> tuple[str, str]:
 
 def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[str, str]:
     if dist.sharded(job.model):
-        return SKIP, "train.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
+        return SKIP, "parallel.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
     if not isinstance(job.model, DDP):
         return SKIP, "a world of one has no gradient communication"
     expected = job.state.step + 1  # the gradient check made one all-reducing backward
@@ -227,12 +227,12 @@ def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, st
 
 def bound_evaluation(job: train.Job, cfg, info: DistInfo) -> str:
     """Evaluation samples larger than training samples (a long stream each, say) count for as many
-    training samples as they hold elements, so that train.eval_limit bounds what the evaluation
+    training samples as they hold elements, so that eval.limit bounds what the evaluation
     costs rather than only its samples: `job` then evaluates the first of them that hold about as
-    much as train.eval_limit training samples, at least one a rank. Returns what was cut, or ""."""
+    much as eval.limit training samples, at least one a rank. Returns what was cut, or ""."""
     eval_set = job.eval_loader.dataset
     ratio = elements(eval_set[0]) / max(1, elements(job.train_loader.dataset[0]))
-    limit = cfg.train.eval_limit or len(eval_set)
+    limit = cfg.eval.limit or len(eval_set)
     keep = max(info.world_size, int(limit / ratio))
     if keep >= len(eval_set):
         return ""
@@ -240,7 +240,7 @@ def bound_evaluation(job: train.Job, cfg, info: DistInfo) -> str:
     job.eval_loader = loaders.build_loaders(job.train_loader.dataset, shorter, cfg, info, workers)[1]
     return (
         f"; each holds {ratio:.0f}x a training sample's elements: the first {keep}, "
-        f"as much as {limit} training samples (train.eval_limit)"
+        f"as much as {limit} training samples (eval.limit)"
     )
 
 
@@ -270,8 +270,8 @@ SMOKE_RUN = [
     "train.max_steps=40",
     "run.log_every=5",
     "checkpoint.every_steps=20",
-    "train.eval_every=null",  # evaluates at the end only (with_one_evaluation)
-    "train.eval_limit=512",  # samples, or fewer larger ones (bound_evaluation)
+    "eval.every=null",  # evaluates at the end only (with_one_evaluation)
+    "eval.limit=512",  # samples, or fewer larger ones (bound_evaluation)
     "dist.timeout_minutes=5",
     "run.trackers=[]",
 ]
