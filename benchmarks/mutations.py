@@ -180,7 +180,7 @@ MUTANTS = [
         "warmup off in build_scheduler",
         "P23 warmup",
         OPTIM,
-        "    return max(1, round(total_steps * warmup_share))",
+        "    return 0 if warmup_share == 0 else max(1, round(total_steps * warmup_share))",
         "    return 1",
     ),
     Mutant(

@@ -1,16 +1,21 @@
 """Representative baked projects pass their own test suites.
 
 The defaults project runs every tier (`pytest --slow`: the maths proofs, fault drills,
-launchers, the swaps), split in four runs (the drills, the exit-status stress drill, the W&B
-and MLflow drills with the packed-shards drills, the rest) that go side by side; one
-project with the other answers (fp16, accumulation, compile, no SLURM, Kubernetes) runs the fast
-tier, which holds what those answers change (the maths proofs, the unit tests, the manifests
-checked offline), and its Kubernetes drills (pods on loopback under each operator's
-environment, SIGTERM to PID 1 within the grace period); the bake matrix in
-test_bake.py lints every other combination. The starters run the fast tier plus their own slow
-tests (`pytest --task`), less the generic drills and loop wiring the defaults project already
-runs: the language model's real-text training and sampling, the image classifier's ResNet-18
-learning the drawn shapes from JPEG files to 0.9 top-1.
+launchers, the swaps, the seam's contract on two stand-in models), split in four runs (the
+drills, the exit-status stress drill, the W&B and MLflow drills with the packed-shards drills,
+the rest) that go side by side; the rest with `--fsdp`, so that its MLP with BatchNorm goes
+through the FSDP proofs and drills a ddp project skips, but for the 3-rank proofs and the FSDP
+smoke check, which the starters run. One project with the other answers (fp16, accumulation,
+compile, no SLURM, Kubernetes) runs the fast tier, which holds what those answers change (the
+maths proofs, the unit tests, the manifests checked offline), and its Kubernetes drills (pods on
+loopback under each operator's environment, SIGTERM to PID 1 within the grace period); the bake
+matrix in test_bake.py lints every other combination. The starters run the fast tier plus their
+own slow tests (`pytest --task`), less the generic drills, loop wiring and stand-in seam tests the
+defaults project already runs: the language model's real-text training and sampling, the image
+classifier's ResNet-18 learning the drawn shapes from JPEG files to 0.9 top-1 (with `--fsdp`: its
+FSDP proofs and smoke check, BatchNorm in every stage). The language model is baked with
+strategy=fsdp, the way a project that shards runs its suite: the FSDP proofs on its tied
+embedding on 2 ranks and 3, and smoke.sh under fsdp.
 """
 
 import os
@@ -26,31 +31,58 @@ DRILLS = ["tests/test_faults.py", "tests/test_launchers.py", "tests/test_multino
 EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to back and side by side
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
 SHARDS = "tests/test_shards.py"  # packed shards: a folder and an S3-compatible server on loopback
-# the task's slow tests that are not the task's own: evaluation counts, resume and smoke.sh,
-# which the defaults project runs for every code path they share; of the FSDP runs, the image
-# classifier passes the smoke check and the language model reaches its ddp run's evaluation
-SHARED = "eval_counts_each_sample or resume_mid_epoch or smoke_sh_passes"
+SEAM = "--ignore=tests/test_seam.py"  # the stand-in tasks replace the seam: the same tests in every project
+# the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp;
+# the image classifier's ResNet passes the FSDP smoke check with BatchNorm
+FSDP_ELSEWHERE = "fsdp_proofs_hold_on_three_ranks or smoke_check_passes_under_fsdp"
+# the task's slow tests that are not the task's own: evaluation counts and resume, which the
+# defaults project runs for every code path they share; of the FSDP runs, the image classifier
+# passes the smoke check and the language model (fsdp) passes smoke.sh (its project's strategy)
+# and reaches its ddp run's evaluation
+SHARED = "eval_counts_each_sample or resume_mid_epoch"
 # and of the fast tier, the loop's wiring of each schedule, named optimizer and their resume, the
 # NaN stop and the setting aside of an abandoned attempt's checkpoints (test_wiring.py): train.py's
-# calls, the same whatever the model; the task's own optimizer, schedule, randomness on resume and
-# forward with a state stay
+# calls, the same whatever the model; the task's own optimizer, schedule and randomness on resume stay
 LOOP_WIRING = (
     "uses_the_lr_of_its_schedule or steps_the_named_optimizer or resumed_mid_schedule"
     " or nan_loss_stops_the_run or sets_the_later_ones_aside"
 )
-IMAGE_TESTS = ["--task", "-k", f"not ({SHARED} or {LOOP_WIRING} or same_run_under_fsdp)"]
-LANGUAGE_MODEL_TESTS = ["--task", "-k", f"not ({SHARED} or {LOOP_WIRING} or smoke_check_passes_under_fsdp)"]
+IMAGE_TESTS = [
+    "--task",
+    "--fsdp",
+    SEAM,
+    "-k",
+    f"not ({SHARED} or smoke_sh_passes or {LOOP_WIRING} or same_run_under_fsdp)",
+]
+# the fast tier, the task's own tests and the slow FSDP proofs (`-m` picks them among --slow's)
+LANGUAGE_MODEL_TESTS = [
+    "--slow",
+    "-m",
+    "not slow or task or fsdp",
+    SEAM,
+    "-k",
+    f"not ({SHARED} or {LOOP_WIRING} or smoke_check_passes_under_fsdp or killed_mid_epoch or ddp_checkpoint_loads)",
+]
 
 OTHER_ANSWERS = {"precision": "fp16", "grad_accum_steps": "4", "compile": True, "slurm": False, "kubernetes": True}
 # name -> (answers, the project's pytest options), the longest run first
 REPRESENTATIVE = {
-    "defaults-rest": ({}, ["--slow", *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS, SHARDS])]),
+    "defaults-rest": (
+        {},
+        [
+            "--slow",
+            "--fsdp",
+            "-k",
+            f"not ({FSDP_ELSEWHERE})",
+            *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS, SHARDS]),
+        ],
+    ),
     "defaults-trackers-shards": ({}, ["--slow", TRACKERS, SHARDS]),
     "image-classification": ({"task": "image_classification"}, IMAGE_TESTS),
     "defaults-drills": ({}, ["--slow", *DRILLS]),
-    "language-model": ({"task": "language_model"}, LANGUAGE_MODEL_TESTS),
+    "language-model-fsdp": ({"task": "language_model", "strategy": "fsdp"}, LANGUAGE_MODEL_TESTS),
     "defaults-exits": ({}, ["--slow", EXITS]),
-    "fp16-accum4-compile-k8s": (OTHER_ANSWERS, []),
+    "fp16-accum4-compile-k8s": (OTHER_ANSWERS, [SEAM]),
     "k8s-drills": (OTHER_ANSWERS, ["--slow", "tests/test_kubernetes.py"]),
 }
 

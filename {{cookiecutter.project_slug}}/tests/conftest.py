@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import launch
@@ -31,9 +32,43 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the slow tests of the task end to end (its real run, resume, evaluation counts, smoke check)",
     )
+    parser.addoption(
+        "--fsdp",
+        action="store_true",
+        help="also run the FSDP proofs and drills on the project's model where configs/default.yaml trains with "
+        "ddp: before switching parallel.strategy to fsdp",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "fsdp: runs the project's model sharded (parallel.strategy=fsdp); where configs/default.yaml trains with "
+        "ddp, skipped with the reason unless --fsdp is given",
+    )
+
+
+def project_strategy() -> str:
+    """parallel.strategy as configs/default.yaml sets it (the dataclass default, ddp, where it does not)."""
+    settings = yaml.safe_load((PROJECT / "configs" / "default.yaml").read_text()) or {}
+    return (settings.get("train") or {}).get("strategy", "ddp")
+
+
+def runs_fsdp(config) -> bool:
+    """Whether the tests marked fsdp run: the project trains with fsdp, or --fsdp asks for them."""
+    return project_strategy() == "fsdp" or config.getoption("--fsdp")
 
 
 def pytest_collection_modifyitems(config, items):
+    if not runs_fsdp(config):
+        skip = pytest.mark.skip(
+            reason=f"configs/default.yaml trains with parallel.strategy={project_strategy()}: the FSDP proofs and "
+            "drills run where it is fsdp (a model that trains under DDP need not shard); before switching to fsdp, run "
+            "them on your model: `python -m pytest --fsdp` (with --slow for the drills)"
+        )
+        for item in items:
+            if item.get_closest_marker("fsdp"):
+                item.add_marker(skip)
     if config.getoption("--slow"):
         return
     with_task = config.getoption("--task")

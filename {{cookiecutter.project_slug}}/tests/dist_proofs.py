@@ -235,6 +235,7 @@ def held_bytes(job: train.Job, cfg, info: DistInfo) -> dict:
         "held_bytes": dist.all_gather_objects(2 * weights + optimizer),
         "estimated_bytes": sharding.state_bytes(shapes, cfg.optim, info.world_size),
         "ddp_bytes": sharding.state_bytes(shapes, cfg.optim, 1),
+        "estimated_units": len(job.units),  # the units the start-up estimate adds gathered
     }
 
 
@@ -251,8 +252,9 @@ def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
     """What wrap did under parallel.strategy=fsdp: every unit and the root sharded, every parameter
     a shard, each unit's activations recomputed."""
     cfg = config.load(SMOKE, [*SHARDED, *overrides])
-    model = train.wrap(task.build_model(cfg), cfg, info)
-    units = sharding.units(model)
+    model = task.build_model(cfg)
+    units = sharding.units(model)  # of the model as built: fully_shard changes the units' classes
+    model = train.wrap(model, cfg, info)
     return {
         "units": len(units),
         "units_sharded": sum(dist.sharded(unit) for unit in units),
@@ -454,8 +456,10 @@ def sharded_verdicts(results: dict) -> list[checks.Row]:
     rows.append((PASS if counted and alike else FAIL, "FSDP evaluation", detail))
     shard = results["sharding"]
     wrapped = shard["root_sharded"] and shard["parameters_sharded"] and shard["units_sharded"] == shard["units"] > 0
+    wrapped = wrapped and results["equivalence"]["estimated_units"] == shard["units"]
     recomputed = shard["units_recomputed"] + shard["units_with_batchnorm"] == shard["units"]
     detail = f"{shard['units_sharded']} of {shard['units']} units and the root; {shard['units_recomputed']} recompute"
+    detail += f"; the start-up estimate counts {results['equivalence']['estimated_units']}"
     rows.append((PASS if wrapped and recomputed else FAIL, "FSDP wrapping", detail))
     return [*rows, memory_verdict(results["equivalence"])]
 

@@ -10,7 +10,8 @@ from {{ cookiecutter.package_name }} import checkpoint, task
 
 
 class WithUnusedHead(nn.Module):
-    """The project's model plus an auxiliary head that the forward pass never calls."""
+    """The project's model plus an auxiliary head that the forward pass never calls; to the task's
+    functions it is the project's model: calls and attribute reads pass through to it."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -19,6 +20,12 @@ class WithUnusedHead(nn.Module):
 
     def forward(self, *inputs, **options):  # whatever the task's functions call the model with
         return self.body(*inputs, **options)
+
+    def __getattr__(self, name: str):  # and what they read of the module (a state's size, a config)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("body"), name)
 
 
 def model_with_unused_head(cfg):

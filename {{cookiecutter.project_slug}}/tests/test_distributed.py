@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dist_proofs
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, run, torchrun
+from conftest import PROJECT, SMOKE_CONFIG, run, runs_fsdp, torchrun
 
 from {{ cookiecutter.package_name }} import config, loaders, sharding, task
 from {{ cookiecutter.package_name }}.dist import DistInfo
@@ -23,12 +23,14 @@ needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict:
+def launches(tmp_path_factory, pytestconfig) -> dict:
     """The proofs' launch and the sharded loop's, side by side (each leaves a core idle half the
     time): {name: (result, out)}. The sharded proofs run in a launch of their own: FSDP keeps the
     process group's gloo threads alive past teardown (torch 2.14), which the teardown proof below
-    must not see. A failing proof exits 1, and the tests below say which one failed."""
-    commands = {"proofs": []} | ({} if sharding.floor_problem() else {"fsdp": ["--only", "fsdp"]})
+    must not see; and only where the tests marked fsdp run (conftest.runs_fsdp). A failing proof
+    exits 1, and the tests below say which one failed."""
+    sharded = runs_fsdp(pytestconfig) and not sharding.floor_problem()
+    commands = {"proofs": []} | ({"fsdp": ["--only", "fsdp"]} if sharded else {})
     outs = {name: tmp_path_factory.mktemp(name) for name in commands}
 
     def launch(name):
@@ -205,6 +207,7 @@ def sharded(sharded_launch):
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_the_fsdp_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(sharded_launch):
     result, _ = sharded_launch
     assert result.returncode == 0 and "fsdp proofs on 2 ranks: PASS (0 failed" in result.stdout, result.stdout[-3000:]
@@ -212,6 +215,7 @@ def test_the_fsdp_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(shar
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 @pytest.mark.parametrize("name", ["equivalence", "accumulation", "accumulation_whole"])
 def test_fsdp_gradients_and_updates_equal_one_process_on_the_global_batch(sharded, name):
     # accumulation over 4 micro-batches, gradients reduced at each (sharded between them) or only
@@ -223,6 +227,7 @@ def test_fsdp_gradients_and_updates_equal_one_process_on_the_global_batch(sharde
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_fsdp_evaluation_counts_each_sample_once_with_rank_0s_batchnorm_statistics(sharded):
     result = sharded["equivalence"]
     assert result["evaluation"]["eval_samples"] == result["eval_set"]
@@ -232,6 +237,7 @@ def test_fsdp_evaluation_counts_each_sample_once_with_rank_0s_batchnorm_statisti
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_fsdp_shards_every_unit_and_recomputes_their_activations(sharded):
     shard = sharded["sharding"]
     assert shard["units"] > 0 and shard["units_sharded"] == shard["units"] and shard["root_sharded"]
@@ -240,12 +246,14 @@ def test_fsdp_shards_every_unit_and_recomputes_their_activations(sharded):
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 def test_fsdp_holds_half_of_ddps_state_on_two_ranks_as_estimated(sharded):
     verdict, _, detail = dist_proofs.memory_verdict(sharded["equivalence"])
     assert verdict == PASS, detail
 
 
 @needs_fsdp
+@pytest.mark.fsdp
 @pytest.mark.slow
 def test_fsdp_proofs_hold_on_three_ranks_with_uneven_shards(tmp_path):
     result = torchrun(PROOFS, str(tmp_path), "--only", "fsdp", nproc=3, timeout=240, check=False)

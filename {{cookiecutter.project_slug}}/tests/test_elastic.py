@@ -168,6 +168,7 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 # in the background: the kill while step 20's write, every part on disk, awaits its publication
 # (a kill -9 during an async save). Then the resumes on WORLDS' ranks, on 2 bit-identical
 FSDP_FLOOR = sharding.floor_problem()
+SHARDED = [pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]  # the project's model
 WORLDS = {"ddp-full": (3, 1), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
 SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
 DDP = ("parallel.strategy=ddp",)
@@ -218,8 +219,8 @@ def uninterrupted(tmp_path_factory):
     "kind",
     [
         "ddp-full",
-        pytest.param("fsdp-full", marks=pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")),
-        pytest.param("fsdp-sharded-async", marks=pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")),
+        pytest.param("fsdp-full", marks=SHARDED),
+        pytest.param("fsdp-sharded-async", marks=SHARDED),
     ],
 )
 def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches(

@@ -116,6 +116,7 @@ def test_the_device_is_bound_before_the_group_and_the_smoke_row_sees_what_cuda_r
 
 
 @needs_gpus(2)
+@pytest.mark.fsdp
 def test_fsdp_proofs_hold_on_two_gpus_with_nccl(tmp_path):
     proofs = str(PROJECT / "tests" / "dist_proofs.py")
     result = torchrun(proofs, str(tmp_path), "--only", "fsdp", nproc=2, timeout=300, check=False)
@@ -123,6 +124,7 @@ def test_fsdp_proofs_hold_on_two_gpus_with_nccl(tmp_path):
 
 
 @needs_gpus(2)
+@pytest.mark.fsdp
 @pytest.mark.parametrize("offload", ["false", "true"])
 def test_fsdp_trains_in_bf16_on_two_gpus_with_and_without_cpu_offload(tmp_path, offload):
     # bf16 gathering with fp32 gradient reduction; offload: the state in CPU memory, gloo beside nccl

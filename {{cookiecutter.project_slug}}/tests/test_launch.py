@@ -179,13 +179,13 @@ def test_a_process_handles_a_signal_only_once_it_installed_a_handler():
         child.wait()
 
 
-def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_runs():
+def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_runs_and_says_so():
     # the slow part of a start is importing torch to count GPUs; PID 1 of a container ignores
     # signals it has no handler for, so the handler is there before that import
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}.tools.launch", "--standalone", "-m", "nothing.here"],
+    launcher = subprocess.Popen(  # the script execs the launcher: the same process
+        ["bash", "scripts/train.sh", "--config", "configs/smoke.yaml"],
         cwd=PROJECT,
-        env=project_env(),
+        env=project_env(CUDA_VISIBLE_DEVICES=""),
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -196,7 +196,10 @@ def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_run
             time.sleep(0.005)
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=20) == preemption.PREEMPTED_EXIT_CODE
-        assert "torch.distributed.run" not in launcher.stderr.read()
+        said = launcher.stderr.read()
+        assert said.splitlines() == [
+            "launch: SIGTERM before training started: nothing ran, nothing to save; exit 75 (requeue or rerun to start)"
+        ]
     finally:
         launcher.kill()
 

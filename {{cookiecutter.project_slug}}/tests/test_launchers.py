@@ -1,6 +1,7 @@
 """Launch scripts, the smoke check and the diagnostics."""
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -8,12 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_losses
+import torch
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_losses
+from stand_ins import Progressions, Streams, install
+from torch.utils.data import Subset
 
-from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }} import config, records, task
+from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import smoke
 
 SCRIPTS = PROJECT / "scripts"
+WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+QUICK = ["data.num_workers=0", "run.tensorboard=false"]
 
 
 def free_port() -> int:
@@ -28,6 +35,16 @@ def test_scripts_are_executable_and_parse():
             run(["bash", "-n", str(script)])
             if script.name != "common.sh":
                 assert script.stat().st_mode & stat.S_IXUSR, f"{script.name} is not executable"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_git_leaves_out_what_runs_write_and_the_data_folder_but_not_the_code(tmp_path):
+    shutil.copy(PROJECT / ".gitignore", tmp_path / ".gitignore")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    written = ["runs/default/checkpoints/step_00000100.pt", "data/mine/train.bin", "data/packed/pack.json"]
+    ours = [f"src/{PACKAGE}/data.py", "configs/default.yaml", "tests/test_task.py"]
+    found = subprocess.run(["git", "check-ignore", *written, *ours], cwd=tmp_path, capture_output=True, text=True)
+    assert found.stdout.split() == written
 
 
 @pytest.mark.slow
@@ -120,27 +137,71 @@ def smoke_rows(output: str) -> dict:
 
 @pytest.mark.task
 def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
+    # the test-sized run (configs/default.yaml's may take hours on a CPU) under this project's
+    # strategy and SyncBatchNorm setting; the rows expected are those the check gives that run
+    project = config.load(PROJECT / "configs" / "default.yaml").train
+    settings = [
+        f"parallel.strategy={project.strategy}",
+        f"parallel.sync_batchnorm={str(project.sync_batchnorm).lower()}",
+    ]
     result = run(
-        ["bash", "scripts/smoke.sh", f"run.out_dir={tmp_path}"], env=project_env(CUDA_VISIBLE_DEVICES=""), timeout=180
+        ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, *settings, f"run.out_dir={tmp_path}"],
+        env=project_env(CUDA_VISIBLE_DEVICES=""),
+        timeout=180,
     )
     rows = smoke_rows(result.stdout)
-    assert "smoke: PASS (0 failed" in result.stdout
+    assert "smoke: PASS (0 failed" in result.stdout, result.stdout[-3000:]
     for check in (
         "backend",
         "gradients all-reduced",
         "parameters equal on all ranks",
         "loss decreases",
-        "one all-reduce per optimizer step",
         "precision",
         "checkpoint round trip",
         "eval counts every sample once",
     ):
         assert rows[check][0] == "PASS", (check, rows[check])
+    checked = config.load(SMOKE_CONFIG, settings).train
+    sharded = checked.strategy == "fsdp"
+    assert ("reduce-scattered" in rows["gradients all-reduced"][1]) == sharded
+    per_step = rows["one all-reduce per optimizer step"]
+    assert per_step[0] == "SKIP" and "parallel.strategy=fsdp" in per_step[1] if sharded else per_step[0] == "PASS"
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
-    assert rows["SyncBatchNorm"][0] == "SKIP" and "needs CUDA" in rows["SyncBatchNorm"][1]
+    why = "needs CUDA" if checked.sync_batchnorm else "parallel.sync_batchnorm is off"
+    assert rows["SyncBatchNorm"][0] == "SKIP" and why in rows["SyncBatchNorm"][1], rows["SyncBatchNorm"]
     assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
-    configured = config.load(PROJECT / "configs" / "default.yaml").train.precision  # the run it checks is yours
-    assert rows["precision"][1].startswith(f"{configured}: autocast matmul in "), rows["precision"]
+    assert rows["precision"][1].startswith(f"{checked.precision}: autocast matmul in "), rows["precision"]
+
+
+def smoke_checks(out_dir, *overrides: str) -> tuple[dict, config.Config]:
+    """The smoke check's rows, {name: (verdict, detail)}, on the test-sized run with `overrides`, in
+    this process (a world of one); and its config."""
+    cfg = config.load(SMOKE_CONFIG, [*smoke.SMOKE_RUN, *QUICK, *overrides, f"run.out_dir={out_dir}"])
+    return {what: (verdict, detail) for verdict, what, detail in smoke.run_checks(cfg, WORLD_OF_ONE)}, cfg
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_smoke_check_evaluates_once_however_many_epochs_its_steps_span(tmp_path, monkeypatch):
+    build_datasets = task.build_datasets
+
+    def short_training_set(cfg):  # 64 samples: an epoch every 4 steps of 16
+        train_set, eval_set = build_datasets(cfg)
+        return Subset(train_set, range(64)), eval_set
+
+    monkeypatch.setattr(task, "build_datasets", short_training_set)
+    rows, cfg = smoke_checks(tmp_path, "train.epochs=9", "train.max_steps=12")
+    evaluations = records.of_kind(read_metrics(cfg.run_dir), records.EVAL)
+    assert [r["step"] for r in evaluations] == [12] and rows["eval counts every sample once"][0] == "PASS"
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_smoke_check_evaluates_as_much_as_eval_limit_training_samples_hold(tmp_path, monkeypatch):
+    install("recurrent", monkeypatch)  # windows of 7 tokens to train on, streams of 210 to evaluate
+    monkeypatch.setattr(task, "build_datasets", lambda cfg: (Progressions(512, 0), Streams(20, 30)))
+    rows, _ = smoke_checks(tmp_path, "train.max_steps=10", "eval.limit=60")
+    verdict, detail = rows["eval counts every sample once"]
+    assert verdict == "PASS" and detail.startswith("2 of 2 samples on 1 ranks; each holds 30x a training sample's")
+    assert "the first 2, as much as 60 training samples (eval.limit)" in detail
 
 
 @pytest.mark.slow

@@ -61,6 +61,21 @@ def test_each_schedule_warms_up_then_follows_its_formula(schedule):
     assert lrs == pytest.approx([expected_factor(schedule, step, 100, 5) for step in range(100)], abs=1e-12)
 
 
+@pytest.mark.parametrize("total_steps", [3, 100])
+def test_a_warmup_fraction_of_0_starts_at_the_peak(total_steps):
+    model = torch.nn.Linear(2, 2)
+    cfg = config.load(None, ["schedule.name=constant", "schedule.warmup_fraction=0"])
+    optimizer = optim.build_optimizer(model, cfg, lr=1.0)
+    scheduler = optim.build_scheduler(optimizer, cfg, total_steps=total_steps, warmup_share=0.0)
+    lrs = []
+    for _ in range(total_steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == [1.0] * total_steps
+    assert optim.warmup_steps(total_steps, 0.001) == 1  # any share above 0 warms up a step at least
+
+
 def test_norms_and_biases_are_not_decayed():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     decayed, plain = optim.parameter_groups(model, weight_decay=0.1)

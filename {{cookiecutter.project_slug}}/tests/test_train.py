@@ -288,6 +288,16 @@ def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():
     assert train.lr_line(config.load(SMOKE_CONFIG, ["optim.lr_scaling=none"]), 0.01, 64).endswith("not scaled)")
 
 
+def test_the_start_up_names_sgds_momentum_and_whether_it_warms_up():
+    sgd = config.load(SMOKE_CONFIG, ["optim.name=sgd"])
+    assert train.optimizer_text(sgd) == "sgd optimizer (momentum 0.9)"  # torch's own default is 0
+    nesterov = config.load(SMOKE_CONFIG, ["optim.name=sgd", "optim.momentum=0.5", "optim.nesterov=true"])
+    assert train.optimizer_text(nesterov) == "sgd optimizer (momentum 0.5, Nesterov)"
+    assert train.optimizer_text(config.load(SMOKE_CONFIG)) == "adamw optimizer (betas 0.9, 0.999)"
+    assert train.warmup_text(0.0) == "no warmup (schedule.warmup_fraction=0)"
+    assert train.warmup_text(0.01) == "warmup 1.0% of the steps"
+
+
 def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
     capped = config.load(SMOKE_CONFIG, ["train.epochs=1", "train.max_steps=300"])
     assert train.planned_steps(capped, 217) == "217 steps (train.epochs=1 ends before train.max_steps=300)"

@@ -4,7 +4,7 @@ The helpers have unit tests of their own (test_optim.py, test_dist.py ...); thes
 when train.py stops calling them as it should: they run the project's own `train.run` in
 this process (a world of one, seconds) and read what it wrote or applied. The wiring that
 needs two ranks (set_epoch on every rank, the equal-length check) is in the proofs launch
-(test_distributed.py).
+(test_distributed.py); the seam's contract, whatever the model, in test_seam.py.
 """
 
 import math
@@ -12,8 +12,6 @@ import math
 import pytest
 import torch
 from conftest import SMOKE_CONFIG, read_metrics
-from helpers import model_with_unused_head
-from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Subset
 
@@ -21,7 +19,6 @@ from {{ cookiecutter.package_name }} import checkpoint, config, loaders, records
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.rundir import RunDir
-from {{ cookiecutter.package_name }}.tools import diagnose, smoke
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 SHARDED_FLOOR = sharded_checkpoint.floor_problem()
@@ -46,10 +43,10 @@ def keep_first(monkeypatch, train_samples: int | None = None, eval_samples: int 
     """Make the task's datasets shorter, through the seam: whole epochs in a few steps."""
     build_datasets = task.build_datasets
 
-    def shorter(cfg):
+    def shorter(cfg):  # at most: a task's eval set may be a few long samples
         train_set, eval_set = build_datasets(cfg)
-        train_set = Subset(train_set, range(train_samples or len(train_set)))
-        return train_set, Subset(eval_set, range(eval_samples or len(eval_set)))
+        train_set = Subset(train_set, range(min(train_samples or len(train_set), len(train_set))))
+        return train_set, Subset(eval_set, range(min(eval_samples or len(eval_set), len(eval_set))))
 
     monkeypatch.setattr(task, "build_datasets", shorter)
 
@@ -285,49 +282,3 @@ def test_evaluation_scores_the_model_in_eval_mode_on_every_sample():
     expected = task.metrics(totals | {"samples": len(eval_set)})
     assert results["eval_samples"] == len(eval_set)
     assert {name: results[f"eval_{name}"] for name in expected} == pytest.approx(expected, rel=1e-5)
-
-
-class WithState(nn.Module):
-    """The task's model behind a forward that takes (inputs, state) and returns (output, state),
-    as a recurrent model's does."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs, state):
-        return self.model(inputs), state
-
-    def __getattr__(self, name: str):  # what the task reads of its model (a context, say)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(super().__getattr__("model"), name)
-
-
-class CalledWithState(nn.Module):
-    """How the task's functions, once edited for such a model, call it: with a state."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, inputs):
-        output, _ = self.model(inputs, None)
-        return output
-
-
-def test_a_model_whose_forward_takes_a_state_trains_checks_and_diagnoses_through_the_task(train_here, monkeypatch):
-    build_model, loss_sum, eval_sums = task.build_model, task.loss_sum, task.eval_sums
-    monkeypatch.setattr(task, "build_model", lambda cfg: WithState(build_model(cfg)))
-    monkeypatch.setattr(task, "loss_sum", lambda model, batch: loss_sum(CalledWithState(model), batch))
-    monkeypatch.setattr(task, "eval_sums", lambda model, batch: eval_sums(CalledWithState(model), batch))
-    cfg = train_here("train.max_steps=3")  # the start-up checks, the steps, evaluation and the checkpoint
-    assert logged(cfg, "step")[-1] == 3
-    unused = diagnose.unused_parameters(cfg, model_with_unused_head(cfg))  # helpers.py's wrapper passes the state on
-    assert unused == ["aux_head.weight", "aux_head.bias"]
-    quick = ["train.max_steps=10", "data.batch_size=2", "data.num_workers=0", "run.tensorboard=false"]
-    checked = config.load(SMOKE_CONFIG, [*smoke.SMOKE_RUN, *quick, f"run.out_dir={cfg.run.out_dir}"])
-    rows = smoke.run_checks(checked, WORLD_OF_ONE)
-    failed = {name for verdict, name, _ in rows if verdict == "FAIL"}
-    assert failed <= {"loss decreases"}  # every check ran the model through the task; ten steps may not learn

@@ -1,5 +1,10 @@
 """The task seam for a causal language model: dict batches, (B, T, V) logits, labels -100 on
-padding, the loss averaged over valid tokens across every rank, perplexity for evaluation."""
+padding, the loss averaged over valid tokens across every rank, perplexity for evaluation.
+
+`loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
+call it, and would reach the module's own attributes through samples.unwrap(model) (README: "How
+your model is called").
+"""
 
 from __future__ import annotations
 

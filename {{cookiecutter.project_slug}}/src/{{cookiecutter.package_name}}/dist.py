@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import preemption, rendezvous
 from .rules import ConfigError, tell_user
+from .samples import unwrap
 
 Built = TypeVar("Built")
 
@@ -277,9 +278,9 @@ def without_ddp(model: nn.Module) -> nn.Module:
 
 def bare(model: nn.Module) -> nn.Module:
     """The module under the DDP and torch.compile wrappers: its state_dict keys are the model's
-    own, without module. or _orig_mod. prefixes (a sharded model's are its own already)."""
-    model = without_ddp(model)
-    return getattr(model, "_orig_mod", model)
+    own, without module. or _orig_mod. prefixes (a sharded model's are its own already). The seam
+    reaches it as samples.unwrap."""
+    return unwrap(model)
 
 
 def sharded(model: nn.Module) -> bool:

@@ -89,7 +89,8 @@ def build_scheduler(
 
 
 def warmup_steps(total_steps: int, warmup_share: float) -> int:
-    return max(1, round(total_steps * warmup_share))
+    """Steps of linear warmup: none for a share of 0, else at least one."""
+    return 0 if warmup_share == 0 else max(1, round(total_steps * warmup_share))
 
 
 def lr_factor(step: int, total_steps: int, warmup: int, schedule: ScheduleConfig) -> float:

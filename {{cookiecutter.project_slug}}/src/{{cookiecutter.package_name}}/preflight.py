@@ -5,7 +5,9 @@ structure than task.py unpacks, labels out of range) would otherwise surface as 
 traceback on one rank, or as a CUDA device-side assert, after the first collectives. Here
 every rank runs the same seam calls on the same first samples, on the CPU, in eval mode and
 without gradients, before the model moves to its device, and stops with one line naming the
-seam function, what it got and what was expected.
+seam function, what it got and what was expected. The task's functions get the model wrapped as
+training wraps it, whose calls pass through and attribute reads do not (DDP's), so a task that
+reads its module's attributes off the model instead of through samples.unwrap stops here too.
 """
 
 from __future__ import annotations
@@ -33,16 +35,29 @@ class TaskError(ConfigError):
     prefix = "task error"
 
 
+class Wrapped(nn.Module):
+    """The model as the task's functions get it in training, here on the CPU: a wrapper whose
+    calls pass every argument through and which has none of the module's attributes, as DDP's;
+    samples.unwrap reaches the module, as it does under DDP, FSDP and torch.compile."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self._orig_mod = module  # the name torch.compile gives it, which samples.unwrap removes
+
+    def forward(self, *args, **kwargs):
+        return self._orig_mod(*args, **kwargs)
+
+
 def check_task(model: nn.Module, train: tuple[Dataset, DataLoader], evaluation: tuple[Dataset, DataLoader]) -> None:
     _check_workers_can_take("train", *train)
     _check_workers_can_take("eval", *evaluation)
     was_training = model.training
-    model.eval()
+    wrapped = Wrapped(model).eval()
     try:
         with torch.no_grad():
             train_batch = _batch("train", *train)
-            _check_loss(model, train_batch)
-            _check_eval(model, _batch("eval", *evaluation))
+            _check_loss(wrapped, train_batch)
+            _check_eval(wrapped, _batch("eval", *evaluation))
     finally:
         model.train(was_training)
 
@@ -96,7 +111,7 @@ def _check_loss(model: nn.Module, batch) -> None:
         raise TaskError(
             f"task.loss_sum(model, batch) raised {_error(err)}; batch {describe(batch)}"
             + (f", model output {describe(outputs[0])}" if outputs else "")
-            + "; expected the model's output to fit the loss and the labels to be in range"
+            + f"; expected {_UNWRAP if _reads_the_wrapper(err) else _FITS}"
         ) from err
     finally:
         hook.remove()
@@ -130,7 +145,8 @@ def _check_eval(model: nn.Module, batch) -> None:
     try:
         sums = task.eval_sums(model, batch)
     except Exception as err:
-        raise TaskError(f"task.eval_sums(model, batch) raised {_error(err)}; batch {describe(batch)}") from err
+        fix = f"; expected {_UNWRAP}" if _reads_the_wrapper(err) else ""
+        raise TaskError(f"task.eval_sums(model, batch) raised {_error(err)}; batch {describe(batch)}{fix}") from err
     if not isinstance(sums, dict) or not all(
         isinstance(v, torch.Tensor) and tuple(v.shape) == (size,) for v in sums.values()
     ):
@@ -152,6 +168,17 @@ def _check_eval(model: nn.Module, batch) -> None:
             f"task.MAIN_METRIC is {task.MAIN_METRIC!r}; expected (name, 'max' or 'min') with a name "
             f"that task.metrics returns ({', '.join(results)})"
         )
+
+
+_FITS = "the model's output to fit the loss and the labels to be in range"
+_UNWRAP = (
+    "the task to call the model it is given (in training DDP, FSDP or torch.compile wraps it) and to read "
+    "your module's attributes through samples.unwrap(model), e.g. unwrap(model).init_hidden(batch_size)"
+)
+
+
+def _reads_the_wrapper(err: Exception) -> bool:
+    return isinstance(err, AttributeError) and f"'{Wrapped.__name__}' object has no attribute" in str(err)
 
 
 def _error(err: Exception) -> str:

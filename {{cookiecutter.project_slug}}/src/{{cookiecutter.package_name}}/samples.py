@@ -1,5 +1,6 @@
-"""Samples and batches as the loop sees them, and what a sample is worth in the log: the small,
-stable part of the loop that the task seam (task.py) may use.
+"""Samples and batches as the loop sees them, what a sample is worth in the log, and the model
+the task's functions are given: the small, stable part of the loop that the task seam (task.py)
+may use.
 
 Nothing here knows the task: a batch is whatever the samples collate to (tensors, tuples, lists,
 dicts).
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -21,6 +25,17 @@ class Throughput:
     unit: str = "samples"
     per_sample: float = 1
     flops_per_unit: float | None = None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Your own module under the wrappers the loop puts around it: DDP (its `.module`) and
+    torch.compile (its `_orig_mod`); FSDP shards the module in place, so it is the module already.
+    `loss_sum` and `eval_sums` are given the wrapped model: call the model itself to run it (the
+    wrappers' forward is what synchronises gradients and gathers shards), and read your module's
+    attributes and call its other methods through `unwrap(model)` (a state's size, a config)."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
 
 
 def move_to(batch, device: torch.device):
@@ -46,6 +61,17 @@ def num_samples(batch) -> int:
         if size:
             return size
     return 0
+
+
+def elements(sample) -> int:
+    """The values a sample holds: the elements of its tensors and arrays, 1 for anything else."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel()
+    if isinstance(sample, dict):
+        return sum(elements(value) for value in sample.values())
+    if isinstance(sample, (list, tuple)):
+        return sum(elements(value) for value in sample)
+    return sample.size if isinstance(sample, np.ndarray) else 1
 
 
 def describe(value) -> str:

@@ -45,8 +45,19 @@ Counting the terms of every rank costs one small all-reduce per step; a task who
 all hold the same number of terms sets TERMS_PER_SAMPLE and the loop skips it (and checks
 the count it declares on every step).
 Evaluation sums per sample so the loop can drop the samples DistributedSampler repeats.
-Only loss_sum and eval_sums call the model, so its forward takes whatever they pass it.
 `count_terms` is called on the batch as the loader yields it, before it moves to the device.
+
+The model these functions get: only loss_sum and eval_sums call the model, so its forward takes
+whatever they pass it (a state, keyword arguments, a dict), and everything else (the start-up
+check, the smoke check, diagnose, the tests, the proofs) calls those two. They get the model as
+the loop wrapped it: DDP around your module (around torch.compile's, with train.compile), the
+module sharded in place under parallel.strategy=fsdp, your module in a world of one, and before
+training, on the CPU, a wrapper that stands for them. Call the model itself to run it: the
+wrapper's forward is what reduces gradients (DDP) and gathers shards (FSDP). Read your module's
+attributes and call its other methods through `unwrap(model)` (from samples.py), the one way to
+reach it under every wrapper: `unwrap(model).init_hidden(len(batch))`; make such a state on the
+batch's device rather than from a parameter, which under fsdp is a shard. `throughput` and
+`shard_units` get your module itself.
 """
 
 from __future__ import annotations

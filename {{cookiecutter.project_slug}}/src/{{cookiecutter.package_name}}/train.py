@@ -169,6 +169,7 @@ class Job:
     global_batch: int  # samples an optimizer step learns from, over every rank and micro-batch
     clock: StepClock  # where each step's time goes
     profiler: ProfileWindow | None  # run.profile_steps; None when off
+    units: list[nn.Module]  # parallel.strategy=fsdp: the modules sharded one by one (task.shard_units)
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
@@ -182,6 +183,8 @@ def build(cfg: Config, info: DistInfo) -> Job:
     workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
+    # the seam names units in the model as built: fully_shard changes their classes (FSDPBlock)
+    units = sharding.units(raw_model) if cfg.parallel.strategy == "fsdp" else []
     model = wrap(raw_model, cfg, info)
     loaders.check_equal_lengths(len(train_loader), info)
 
@@ -198,7 +201,8 @@ def build(cfg: Config, info: DistInfo) -> Job:
         scaler=torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16"),
     )
     profiler = profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info)
-    return Job(model, state, train_loader, eval_loader, total_steps, global_batch, StepClock(info.device), profiler)
+    clock = StepClock(info.device)
+    return Job(model, state, train_loader, eval_loader, total_steps, global_batch, clock, profiler, units)
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
@@ -468,12 +472,12 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
         f"{lr_line(cfg, lr, job.global_batch)}\n"
-        f"{cfg.optim.name} optimizer, {cfg.schedule.name} schedule, warmup {warmup:.1%} of "
+        f"{optimizer_text(cfg)}, {cfg.schedule.name} schedule, {warmup_text(warmup)}, "
         f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
         f"{cfg.parallel.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}"
         "\n"
-        f"parameters {params:,}; {memory_line(cfg, info, job.model)}\n"
+        f"parameters {params:,}; {memory_line(cfg, info, job.model, job.units)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
     notes = hardware.precision_note(cfg.train.precision, info.device), loaders.worker_start_note(cfg, job.train_loader)
@@ -495,6 +499,21 @@ def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
     )
 
 
+def optimizer_text(cfg: Config) -> str:
+    """The optimizer and the settings of it that shape every step: SGD's momentum (0.9 here by
+    default; torch's own default is 0) and Nesterov, AdamW's betas."""
+    settings = cfg.optim
+    if settings.name == "sgd":
+        return f"sgd optimizer (momentum {settings.momentum:g}{', Nesterov' if settings.nesterov else ''})"
+    if settings.name == "adamw":
+        return f"adamw optimizer (betas {settings.betas[0]:g}, {settings.betas[1]:g})"
+    return f"{settings.name} optimizer"
+
+
+def warmup_text(warmup: float) -> str:
+    return f"warmup {warmup:.1%} of the steps" if warmup else "no warmup (schedule.warmup_fraction=0)"
+
+
 def planned_steps(cfg: Config, total_steps: int) -> str:
     """The run's length, naming the setting that ends it when train.max_steps is never reached."""
     epochs, max_steps = cfg.train.epochs, cfg.train.max_steps
@@ -503,10 +522,10 @@ def planned_steps(cfg: Config, total_steps: int) -> str:
     return f"{total_steps} steps"
 
 
-def memory_line(cfg: Config, info: DistInfo, model: nn.Module) -> str:
-    """The static memory per device (weights, gradients, optimizer state) under the run's strategy."""
+def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Module]) -> str:
+    """The static memory per device (weights, gradients, optimizer state) under the run's strategy,
+    the model sharded in `units` under fsdp."""
     bare = dist.bare(model)
-    units = sharding.units(bare) if cfg.parallel.strategy == "fsdp" else []
     mib = sharding.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
     whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
     if cfg.parallel.strategy == "ddp":

@@ -203,8 +203,16 @@ class Supervisor:
 
 def stop_before_start(signum, frame) -> None:
     """A stop signal before torchrun runs: nothing has trained in this launch, so nothing is lost;
-    exit as a preempted launch does (75, or 130 for Ctrl-C), so the job is requeued or rerun."""
-    raise SystemExit(exit_status(0, signum, preempted=True))
+    exit as a preempted launch does (75, or 130 for Ctrl-C), so the job is requeued or rerun, with
+    one line saying so."""
+    code = exit_status(0, signum, preempted=True)
+    print(
+        f"launch: {signal.Signals(signum).name} before training started: nothing ran, nothing to save; "
+        f"exit {code} ({'rerun' if signum == signal.SIGINT else 'requeue or rerun'} to start)",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(code)
 
 
 def reap_orphans(keep: int) -> None:

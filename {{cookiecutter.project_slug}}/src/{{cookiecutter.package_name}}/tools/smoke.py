@@ -6,13 +6,15 @@
 
 Trains a few steps of the configured model on the configured data in the configured precision
 (only SMOKE_RUN's settings change: the length, evaluation size and timeout), with the project's
-own code, and prints a PASS/FAIL/SKIP table on rank 0; exits 1 if any check fails. Every check
-runs on every rank (they gather results), so a failure never leaves a rank waiting in a collective.
+own code, evaluates once at the end, and prints a PASS/FAIL/SKIP table on rank 0; exits 1 if any
+check fails. Every check runs on every rank (they gather results), so a failure never leaves a
+rank waiting in a collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import shutil
 import sys
@@ -21,10 +23,12 @@ import time
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Subset
 
-from .. import checkpoint, config, dist, hardware, preemption, records, sharding, task, train
+from .. import checkpoint, config, dist, hardware, loaders, preemption, records, sharding, task, train
 from ..dist import DistInfo
 from ..rules import exit_on_user_error
+from ..samples import elements
 from . import checks
 from .checks import FAIL, INFO, PASS, SKIP
 
@@ -153,9 +157,19 @@ def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
     return FAIL, "no SyncBatchNorm layer found"
 
 
+def with_one_evaluation(cfg: config.Config) -> config.Config:
+    """`cfg` evaluating once, at the end of its train.max_steps: eval.every=null evaluates at
+    each epoch's end too, and a small training set ends several epochs within the steps."""
+    if cfg.eval.every is not None or cfg.train.max_steps is None:
+        return cfg
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=cfg.train.max_steps))
+
+
 def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     results = {"device per rank": check_devices(info), "backend": check_backend(info)}
+    cfg = with_one_evaluation(cfg)
     job = train.build(cfg, info)
+    cut = bound_evaluation(job, cfg, info)
     counter = CommCounter()
     if isinstance(job.model, DDP):
         job.model.register_comm_hook(counter, counting_allreduce_hook)
@@ -174,7 +188,7 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     results["precision"] = check_precision(cfg, info, job.state.scaler)
     results["SyncBatchNorm"] = check_sync_batchnorm(cfg, info, job.model)
     results["checkpoint round trip"] = _checkpoint_round_trip(job, cfg, info)
-    results["eval counts every sample once"] = _eval_count(job, cfg, info)
+    results["eval counts every sample once"] = _eval_count(logged, job, info, cut)
     samples = job.state.step * job.global_batch
     speed = log.speed_text(log.speed(samples / elapsed))
     results["throughput"] = (INFO, f"{speed} over {job.state.step} steps, evaluation and checkpoints included")
@@ -211,11 +225,34 @@ def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, st
     return (PASS if same else FAIL), f"{path.name} reloads into a plain model bit-identically"
 
 
-def _eval_count(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
-    counted = train.evaluate(job.model, job.eval_loader, cfg, info)[records.EVAL_SAMPLES]
-    expected = len(job.eval_loader.dataset)
+def bound_evaluation(job: train.Job, cfg, info: DistInfo) -> str:
+    """Evaluation samples larger than training samples (a long stream each, say) count for as many
+    training samples as they hold elements, so that eval.limit bounds what the evaluation
+    costs rather than only its samples: `job` then evaluates the first of them that hold about as
+    much as eval.limit training samples, at least one a rank. Returns what was cut, or ""."""
+    eval_set = job.eval_loader.dataset
+    ratio = elements(eval_set[0]) / max(1, elements(job.train_loader.dataset[0]))
+    limit = cfg.eval.limit or len(eval_set)
+    keep = max(info.world_size, int(limit / ratio))
+    if keep >= len(eval_set):
+        return ""
+    shorter, workers = Subset(eval_set, range(keep)), job.eval_loader.num_workers
+    job.eval_loader = loaders.build_loaders(job.train_loader.dataset, shorter, cfg, info, workers)[1]
+    return (
+        f"; each holds {ratio:.0f}x a training sample's elements: the first {keep}, "
+        f"as much as {limit} training samples (eval.limit)"
+    )
+
+
+def _eval_count(logged: list[dict], job: train.Job, info: DistInfo, cut: str) -> tuple[str, str]:
+    """The samples the run's evaluation counted (rank 0's log; rank 0's verdict is everyone's),
+    against the evaluation set."""
+    evaluations = records.of_kind(logged, records.EVAL)
+    if not evaluations:
+        return FAIL, "the run wrote no evaluation"
+    counted, expected = evaluations[-1][records.EVAL_SAMPLES], len(job.eval_loader.dataset)
     verdict = PASS if counted == expected else FAIL
-    return verdict, f"{counted} of {expected} samples on {info.world_size} ranks"
+    return verdict, f"{counted} of {expected} samples on {info.world_size} ranks{cut}"
 
 
 def _peak_memory(info: DistInfo) -> str:
@@ -233,8 +270,8 @@ SMOKE_RUN = [
     "train.max_steps=40",
     "run.log_every=5",
     "checkpoint.every_steps=20",
-    "eval.every=null",
-    "eval.limit=512",
+    "eval.every=null",  # evaluates at the end only (with_one_evaluation)
+    "eval.limit=512",  # samples, or fewer larger ones (bound_evaluation)
     "dist.timeout_minutes=5",
     "run.trackers=[]",
 ]

@@ -6,6 +6,10 @@ divides it by the tokens of every rank and micro-batch of the step, so the gradi
 one process on the whole global batch, and stays exact if windows come to differ in length
 (padding, document boundaries). Evaluation returns sums per window; the loop drops the
 windows DistributedSampler repeats. Loss and perplexity are per token, in nats.
+
+`loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
+call it, and would reach the module's own attributes through samples.unwrap(model) (README: "How
+your model is called").
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""The seam's contract, held whatever model the project trains: the loop, the tests and their
+helpers, the smoke check, `diagnose` and the proofs call the model only through the task's
+functions and pass its arguments through unchanged, and a task reaches its module through
+samples.unwrap. Two stand-in tasks (tests/stand_ins.py) are installed in place of the project's
+seam: a model whose forward requires a state, and one called with keyword arguments only. The
+fast tier runs them in this process; the slow tier runs the proofs and the smoke check on them
+on 2 ranks, under ddp and fsdp."""
+
+import dist_proofs
+import pytest
+import torch
+from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun
+from stand_ins import STAND_INS, Recurrent, RecurrentTask, install
+from torch.nn.parallel import DistributedDataParallel
+
+from {{ cookiecutter.package_name }} import config, loaders, preflight, records, sharding, task, train
+from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.samples import unwrap
+from {{ cookiecutter.package_name }}.tools import diagnose, smoke
+
+WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+QUICK = ["data.num_workers=0", "run.tensorboard=false", "data.batch_size=4"]
+
+
+@pytest.mark.usefixtures("process_settings")
+@pytest.mark.parametrize("name", STAND_INS)
+def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses_through_the_task(
+    name, monkeypatch, tmp_path, capsys
+):
+    install(name, monkeypatch)
+    steps = ["train.max_steps=4", "checkpoint.every_steps=2", "run.log_every=2", "eval.limit=9"]
+    cfg = config.load(SMOKE_CONFIG, [*QUICK, *steps, f"run.out_dir={tmp_path}"])
+    assert train.run(cfg, WORLD_OF_ONE) == 0  # the start-up check, the steps, a checkpoint, evaluation
+    logged = read_metrics(cfg.run_dir)
+    assert [r["step"] for r in records.of_kind(logged, records.TRAIN)] == [2, 4]
+    assert records.of_kind(logged, records.EVAL)[-1][records.EVAL_SAMPLES] == 9
+    cfg = config.load(SMOKE_CONFIG, [*QUICK, "train.max_steps=6", f"run.out_dir={tmp_path}"])
+    assert train.run(cfg, WORLD_OF_ONE) == 0 and "resumed from" in capsys.readouterr().out
+
+    # diagnose unused, as its command line runs it: the helpers' wrapper passes calls and reads through
+    assert diagnose.main(["unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head"]) == 1
+    assert capsys.readouterr().out.split("\n", 1)[1].split() == ["aux_head.weight", "aux_head.bias"]
+    assert diagnose.main(["unused", "--config", SMOKE_CONFIG]) == 0
+
+    checked = config.load(SMOKE_CONFIG, [*smoke.SMOKE_RUN, *QUICK, "train.max_steps=4", f"run.out_dir={tmp_path}"])
+    failed = [what for verdict, what, _ in smoke.run_checks(checked, WORLD_OF_ONE) if verdict == "FAIL"]
+    assert set(failed) <= {"loss decreases"}, failed  # four steps need not learn
+
+    # the proofs' own calls of the task (their one-process references), here in a world of one
+    weighting = dist_proofs.prove_unequal_terms_are_weighted_globally(tmp_path / "proofs", [], WORLD_OF_ONE)
+    assert weighting["max_difference"] < dist_proofs.WEIGHTING_TOLERANCE
+    counted = dist_proofs.prove_eval_counts([], WORLD_OF_ONE)
+    assert counted[records.EVAL_SAMPLES] == counted["dataset_size"]
+
+
+def test_unwrap_reaches_the_module_under_ddp_and_compile():
+    module = Recurrent()
+    assert unwrap(module) is module and unwrap(torch.compile(module)) is module
+    assert unwrap(preflight.Wrapped(module)) is module
+    ddp = DistributedDataParallel.__new__(DistributedDataParallel)  # its attributes without a process group
+    torch.nn.Module.__init__(ddp)
+    ddp.module = torch.compile(module)
+    assert unwrap(ddp) is module  # train.wrap's nesting: DDP(compiled(module)); fully_shard wraps nothing
+
+
+def test_a_task_that_reads_its_module_off_the_wrapped_model_stops_before_training_naming_unwrap(monkeypatch):
+    install("recurrent", monkeypatch)
+
+    def reads_the_wrapper(model, batch):  # what DDP would refuse at the first step, on every rank
+        logits, _ = model(batch[:, :-1], model.init_state(len(batch), batch.device))
+        return logits.sum()
+
+    monkeypatch.setattr(task, "loss_sum", reads_the_wrapper)
+    cfg = config.load(SMOKE_CONFIG, QUICK)
+    datasets = task.build_datasets(cfg)
+    pieces = list(zip(datasets, loaders.build_loaders(*datasets, cfg, WORLD_OF_ONE, 0), strict=True))
+    with pytest.raises(preflight.TaskError, match=r"has no attribute 'init_state'.*samples\.unwrap\(model\)"):
+        preflight.check_task(task.build_model(cfg), *pieces)
+    monkeypatch.setattr(task, "loss_sum", RecurrentTask.loss_sum)  # through unwrap: the check passes
+    preflight.check_task(task.build_model(cfg), *pieces)
+
+
+@pytest.mark.slow
+def test_the_proofs_and_the_smoke_check_hold_on_two_ranks_for_a_model_that_needs_a_state_and_one_of_keywords(
+    tmp_path,
+):
+    sharded = not sharding.floor_problem()  # the sharded loop's too: these models shard, in any project
+    launch = [str(PROJECT / "tests" / "stand_ins.py"), str(tmp_path), *(["--fsdp"] if sharded else [])]
+    result = torchrun(*launch, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    tables = result.stdout.split("stand-in ")[1:]
+    assert [table.split()[0] for table in tables] == list(STAND_INS)
+    for table in tables:
+        assert "proofs on 2 ranks: PASS (0 failed" in table
+        assert ("fsdp proofs on 2 ranks: PASS (0 failed" in table) == sharded
+        assert table.count("smoke: PASS (0 failed") == 1 + sharded  # under ddp, and fsdp
