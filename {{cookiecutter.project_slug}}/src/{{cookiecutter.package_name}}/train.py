@@ -112,6 +112,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     if saved is not None:  # before build: another world size keeps the global batch with another split
         cfg, batch_line = elastic.keep_global_batch(cfg, saved, info.world_size)
     job = build(cfg, info)
+    job.asked = asked
     if resumed:
         peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # train.lr scaled to this run's global batch
         checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg), asked)
@@ -159,6 +160,7 @@ class Job:
     global_batch: int  # samples an optimizer step learns from, over every rank and micro-batch
     clock: StepClock  # where each step's time goes
     profiler: ProfileWindow | None  # run.profile_steps; None when off
+    asked: dict | None = None  # the settings as given, before another world size split the global batch anew
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
@@ -412,7 +414,8 @@ def check_finite(window: Window, cfg: Config) -> None:
 
 def save_checkpoint(job: Job, cfg: Config, info: DistInfo, final: bool = False) -> Path:
     settings = config.to_dict(cfg)
-    return checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, cfg.checkpoint.keep_last, final)
+    keep_last = cfg.checkpoint.keep_last
+    return checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, keep_last, final, job.asked)
 
 
 def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
