@@ -116,6 +116,18 @@ def test_another_models_sharded_checkpoint_is_refused_from_its_metadata(tmp_path
         checkpoint.resume(other, state, RunDir(tmp_path), str(path), INFO, SHARDED)
 
 
+def test_under_fsdp_checkpoints_are_sharded_unless_the_format_is_named(tmp_path):
+    fsdp = SETTINGS | {"train": SETTINGS["train"] | {"strategy": "fsdp"}}
+    assert SETTINGS["checkpoint"]["format"] == fsdp["checkpoint"]["format"] == "auto"
+    model, state = trained(3)
+    sharded = checkpoint.save(model, state, RunDir(tmp_path / "fsdp"), fsdp, INFO, keep_last=1)
+    assert sharded.is_dir() and sharded_checkpoint.is_checkpoint(sharded)  # auto under fsdp: every rank its part
+    full = checkpoint.save(model, state, RunDir(tmp_path / "ddp"), SETTINGS, INFO, keep_last=1)
+    assert full.is_file()  # auto under ddp: one file
+    named = fsdp | {"checkpoint": fsdp["checkpoint"] | {"format": "full"}}
+    assert checkpoint.save(model, state, RunDir(tmp_path / "named"), named, INFO, keep_last=1).is_file()
+
+
 def test_async_save_needs_the_sharded_format():
     checkpoint.check(SHARDED | {"checkpoint": SHARDED["checkpoint"] | {"async_save": True}})
     with pytest.raises(ConfigError, match="checkpoint.async_save: .* set checkpoint.format=sharded"):
