@@ -37,7 +37,8 @@ def expected_factor(schedule: str, step: int, total: int, warmup: int, shape: di
     wsd's decay share and step's milestones (shares of the steps) and gamma."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    done, floor, decay = (step - warmup) / (total - warmup), shape["min_lr_ratio"], round(shape["decay_fraction"] * total)
+    done, floor = (step - warmup) / (total - warmup), shape["min_lr_ratio"]
+    decay = round(shape["decay_fraction"] * total)
     return {
         "cosine": floor + (1 - floor) * (1 + math.cos(math.pi * done)) / 2,
         "linear": 1 - (1 - floor) * done,

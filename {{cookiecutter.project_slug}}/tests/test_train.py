@@ -295,9 +295,9 @@ def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
 @pytest.mark.parametrize(
     "overrides, line",
     [
-        (("train.strategy=fsdp", "fsdp.cpu_offload=true"), "config error: fsdp.cpu_offload: moves GPU state to CPU"),
-        (("train.strategy=fsdp", "train.precision=fp16"), "config error: train.precision: fp16 under train.strategy=fsdp"),
-        (("checkpoint.format=full", "checkpoint.async_save=true"), "config error: checkpoint.async_save: writes sharded"),
+        (("train.strategy=fsdp", "fsdp.cpu_offload=true"), "config error: fsdp.cpu_offload: moves GPU state"),
+        (("train.strategy=fsdp", "train.precision=fp16"), "config error: train.precision: fp16 under train.strategy"),
+        (("checkpoint.format=full", "checkpoint.async_save=true"), "config error: checkpoint.async_save: writes"),
     ],
     ids=["cpu-offload-without-a-gpu", "fsdp-in-fp16", "async-full-checkpoints"],
 )
