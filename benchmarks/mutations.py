@@ -45,7 +45,12 @@ class Mutant:
     def changed(self, text: str) -> str:
         if text.count(self.old) != 1:
             raise SystemExit(f"{self.name}: the text to change occurs {text.count(self.old)} times in {self.path}")
-        return text.replace(self.old, self.new)
+        changed = text.replace(self.old, self.new)
+        try:  # a change that breaks the syntax (a line's indentation cut) would be "caught" by collection errors
+            compile(changed, str(self.path), "exec")
+        except SyntaxError as err:
+            raise SystemExit(f"{self.name}: the changed {self.path} does not compile ({err})") from None
+        return changed
 
     def apply(self, project: Path) -> None:
         source = project / self.path
@@ -126,7 +131,7 @@ MUTANTS = [
         "set_epoch not called",
         "P7 set_epoch every epoch",
         TRAIN,
-        "        job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch\n",
+        "            job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch\n",
         "",
     ),
     Mutant(
