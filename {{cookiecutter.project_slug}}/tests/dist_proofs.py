@@ -277,7 +277,7 @@ def prove_sharded(out: Path, overrides: list[str], info: DistInfo) -> dict:
         "accumulation_whole": prove_ddp_equals_big_batch(out / "fsdp-whole", whole_gradients, info, accum=4, steps=2),
         "sharding": prove_sharding(overrides, info),
         "recompute": prove_recompute_with_dropout(info, "fsdp"),
-        "settings": prove_fsdp_settings(overrides, info),
+        "settings": prove_fsdp_settings(out / "fsdp-settings", overrides, info),
     }
 
 
@@ -583,7 +583,7 @@ def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
     }
 
 
-def prove_fsdp_settings(overrides: list[str], info: DistInfo) -> dict:
+def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict:
     """What fsdp.reshard_after_forward and fsdp.reduce_every_micro_batch do to the task's model as
     train.wrap shards it: after the forward pass of a micro-batch that is not an optimizer step's
     last, whether the units' parameters are still gathered (plain tensors, not shards); after its
@@ -592,7 +592,7 @@ def prove_fsdp_settings(overrides: list[str], info: DistInfo) -> dict:
     for reshard in (True, False):
         for every in (True, False):
             settings = [f"fsdp.reshard_after_forward={reshard}", f"fsdp.reduce_every_micro_batch={every}"]
-            cfg = exact_config(Path("unused"), [*SHARDED, *overrides], *settings, "train.grad_accum_steps=2")
+            cfg = exact_config(out, [*SHARDED, *overrides], *settings, "train.grad_accum_steps=2")
             model = train.wrap(task.build_model(cfg), cfg, info)
             train_loader, _ = loaders.build_loaders(*loaders.datasets(cfg), cfg, info, 0)
             batch = task.to_device(next(iter(train_loader)), info.device)
