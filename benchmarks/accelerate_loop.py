@@ -18,7 +18,7 @@ def main():
     )
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     train_set, _ = build_datasets(cfg)
     loader = DataLoader(train_set, batch_size=cfg.data.batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -33,8 +33,8 @@ class BareLoop:
         # fused, as the project's; BARE_ADAMW=foreach: torch's default on CPU (the fused row's reference)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
+            lr=cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay,
             fused=os.environ.get("BARE_ADAMW", "fused") == "fused",
         )
         total = cfg.train.max_steps

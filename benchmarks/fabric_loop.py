@@ -26,7 +26,7 @@ def main():
     fabric.launch()
     fabric.seed_everything(cfg.run.seed)
     model = build_model(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     model, optimizer = fabric.setup(model, optimizer)
     train_set, _ = build_datasets(cfg)
     loader = fabric.setup_dataloaders(

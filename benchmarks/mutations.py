@@ -4,7 +4,7 @@ with the smallest source change, and a test must fail.
     python benchmarks/mutations.py [--only NAME ...] [--list] [--check] [--keep DIR]
 
 Bakes the default project (and, for the mutants that name other answers, a project with those:
-train.strategy=fsdp for the FSDP settings, the image starter for its own data.py), checks that
+parallel.strategy=fsdp for the FSDP settings, the image starter for its own data.py), checks that
 each one's fast tier passes as baked, then for each mutant: copies its project, applies the
 change (its text must occur exactly once), runs the fast tier (`python -m pytest`) and, where
 nothing failed there, the slow tests named for the mutant. Prints a table (mutant, the practice,
@@ -86,9 +86,9 @@ BUILD_UP_TO_THE_OPTIMIZER = (
     "    global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps\n"
     "    steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps\n"
     '    total_steps = min(cfg.train.epochs * steps_per_epoch, cfg.train.max_steps or float("inf"))\n'
-    "    rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)\n"
-    "    lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)\n"
-    "    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)\n"
+    "    rule = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name)\n"
+    "    lr = optim.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.reference_batch_size, rule)\n"
+    "    warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, global_batch, cfg.optim.reference_batch_size)\n"
     "    optimizer = optim.build_optimizer(raw_model, cfg, lr)\n"
 )
 MUTANTS = [
@@ -194,8 +194,8 @@ MUTANTS = [
         "LR rule off at the call site",
         "P22 LR scaling",
         TRAIN,
-        "lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)",
-        "lr = cfg.train.lr",
+        "lr = optim.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.reference_batch_size, rule)",
+        "lr = cfg.optim.lr",
     ),
     Mutant(
         "warmup off in build_scheduler",
@@ -215,35 +215,35 @@ MUTANTS = [
         "auto scaling ignores the optimizer",
         "P22 LR scaling: linear for SGD, square root for the Adam family",
         TRAIN,
-        "rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)",
-        'rule = optim.scaling_rule(cfg.train.lr_scaling, "adamw")',
+        "rule = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name)",
+        'rule = optim.scaling_rule(cfg.optim.lr_scaling, "adamw")',
     ),
     Mutant(
         "optimizer setting dropped at the call site",
         "optim.name: the optimizer the settings name",
         TRAIN,
         "optimizer = optim.build_optimizer(raw_model, cfg, lr)",
-        "optimizer = torch.optim.AdamW(optim.parameter_groups(raw_model, cfg.train.weight_decay), lr=lr)",
+        "optimizer = torch.optim.AdamW(optim.parameter_groups(raw_model, cfg.optim.weight_decay), lr=lr)",
     ),
     Mutant(
         "every schedule is cosine",
-        "train.schedule: the schedule the settings name",
+        "schedule.name: the schedule the settings name",
         OPTIM,
-        '    if train.schedule == "cosine":',
+        '    if schedule.name == "cosine":',
         "    if True:",
     ),
     Mutant(
         "step schedule without its drops",
-        "train.schedule=step: x gamma at each milestone",
+        "schedule.name=step: x gamma at each milestone",
         OPTIM,
-        "        return train.gamma**passed",
+        "        return schedule.gamma**passed",
         "        return 1.0",
     ),
     Mutant(
         "the task's schedule ignored",
-        "train.schedule=task: the seam's scheduler",
+        "schedule.name=task: the seam's scheduler",
         OPTIM,
-        '    if cfg.train.schedule == "task":\n        return task.build_scheduler(cfg, optimizer, total_steps)\n',
+        '    if cfg.schedule.name == "task":\n        return task.build_scheduler(cfg, optimizer, total_steps)\n',
         "",
     ),
     Mutant(
@@ -408,8 +408,8 @@ MUTANTS = [
         "fsdp no gradient sync on the last micro-batch",
         "FSDP reduces the step's gradients",
         SHARDING,
-        "        model.set_requires_gradient_sync(syncs or cfg.fsdp.reduce_every_micro_batch)",
-        "        model.set_requires_gradient_sync(not syncs and cfg.fsdp.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(not syncs and cfg.parallel.reduce_every_micro_batch)",
         answers=FSDP,
     ),
     Mutant(
@@ -421,33 +421,33 @@ MUTANTS = [
         answers=FSDP,
     ),
     Mutant(
-        "fsdp.reshard_after_forward ignored",
-        "fsdp.reshard_after_forward: what stays gathered after forward",
+        "parallel.reshard_after_forward ignored",
+        "parallel.reshard_after_forward: what stays gathered after forward",
         SHARDING,
-        '        "reshard_after_forward": cfg.fsdp.reshard_after_forward,',
+        '        "reshard_after_forward": cfg.parallel.reshard_after_forward,',
         '        "reshard_after_forward": True,',
         answers=FSDP,
     ),
     Mutant(
-        "fsdp.reduce_every_micro_batch ignored",
-        "fsdp.reduce_every_micro_batch: sharded or whole gradients between micro-batches",
+        "parallel.reduce_every_micro_batch ignored",
+        "parallel.reduce_every_micro_batch: sharded or whole gradients between micro-batches",
         SHARDING,
-        "        model.set_requires_gradient_sync(syncs or cfg.fsdp.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
         "        model.set_requires_gradient_sync(True)",
         answers=FSDP,
     ),
     Mutant(
         "fsdp settings not checked before the run",
-        "fsdp.cpu_offload and fp16 refused before any collective",
+        "parallel.cpu_offload and fp16 refused before any collective",
         TRAIN,
         "        sharding.check(cfg, info.device)\n",
         "",
     ),
     Mutant(
         "cpu_offload without gloo beside nccl",
-        "fsdp.cpu_offload: the process group runs gloo for the CPU state",
+        "parallel.cpu_offload: the process group runs gloo for the CPU state",
         SHARDING,
-        '    if cfg.train.strategy == "fsdp" and cfg.fsdp.cpu_offload and info.backend == "nccl":',
+        '    if cfg.parallel.strategy == "fsdp" and cfg.parallel.cpu_offload and info.backend == "nccl":',
         "    if False:",
     ),
     # the practices of the elastic restarts, async checkpoints, activation checkpointing and loader workers
@@ -516,9 +516,9 @@ MUTANTS = [
     ),
     Mutant(
         "activation checkpointing ignored under ddp",
-        "train.activation_checkpointing applies under ddp as under fsdp",
+        "parallel.activation_checkpointing applies under ddp as under fsdp",
         TRAIN,
-        '    units = sharding.units(model) if sharded or cfg.train.activation_checkpointing != "none" else []',
+        '    units = sharding.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []',
         "    units = sharding.units(model) if sharded else []",
     ),
     Mutant(
@@ -552,17 +552,17 @@ MUTANTS = [
     ),
     # the optimizer's and schedule's settings at their call sites
     Mutant(
-        "train.min_lr_ratio ignored",
-        "train.min_lr_ratio: the floor the decay ends at",
+        "schedule.min_lr_ratio ignored",
+        "schedule.min_lr_ratio: the floor the decay ends at",
         OPTIM,
-        "    floor, done = train.min_lr_ratio, ",
+        "    floor, done = schedule.min_lr_ratio, ",
         "    floor, done = 0.1, ",
     ),
     Mutant(
-        "train.milestones ignored",
-        "train.milestones: where the step schedule drops",
+        "schedule.milestones ignored",
+        "schedule.milestones: where the step schedule drops",
         OPTIM,
-        "        passed = sum(step >= round(total_steps * share) for share in train.milestones)",
+        "        passed = sum(step >= round(total_steps * share) for share in schedule.milestones)",
         "        passed = sum(step >= round(total_steps * share) for share in (0.5, 0.75))",
     ),
     Mutant(
@@ -587,10 +587,10 @@ MUTANTS = [
         "momentum=0.9, nesterov=settings.nesterov, fused=fused)",
     ),
     Mutant(
-        "train.weight_decay ignored",
-        "train.weight_decay: the decay of the matrices",
+        "optim.weight_decay ignored",
+        "optim.weight_decay: the decay of the matrices",
         OPTIM,
-        "    groups, settings = parameter_groups(model, cfg.train.weight_decay), cfg.optim",
+        "    groups, settings = parameter_groups(model, cfg.optim.weight_decay), cfg.optim",
         "    groups, settings = parameter_groups(model, 0.01), cfg.optim",
     ),
     Mutant(

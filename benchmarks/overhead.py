@@ -97,7 +97,7 @@ def common_overrides(out: Path, steps: int) -> list[str]:
         "checkpoint.resume=never",
         f"checkpoint.every_steps={steps}",
         "data.num_workers=0",
-        "train.sync_batchnorm=false",
+        "parallel.sync_batchnorm=false",
         "run.tensorboard=false",
     ]
 

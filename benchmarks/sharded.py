@@ -1,11 +1,11 @@
-"""train.strategy=fsdp against ddp, and activation checkpointing's cost, side by side in one run.
+"""parallel.strategy=fsdp against ddp, and activation checkpointing's cost, side by side in one run.
 
     python benchmarks/sharded.py                 # the language-model starter at 4 x 256, 10 steps a chunk, 4 rounds
     python benchmarks/sharded.py --quick         # seconds: its test size (2 x 64), 3 steps a chunk, 1 round
 
 Bakes the language-model starter and launches itself under torchrun on 2 CPU processes of 1
 thread (gloo). One launch builds the four setups (ddp and fsdp, each without and with
-train.activation_checkpointing=full) with the loop's own train.build, then runs chunks of
+parallel.activation_checkpointing=full) with the loop's own train.build, then runs chunks of
 optimizer steps through the loop's own step (accumulate_gradients, optimizer_step), setup after
 setup, round after round, so drifts in machine load hit all alike. Printed per setup: the median
 step time and its ratio to ddp's; each rank's bytes of weights, gradients and optimizer state
@@ -26,10 +26,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SETUPS = {
-    "ddp": ["train.strategy=ddp"],
-    "ddp + checkpointing": ["train.strategy=ddp", "train.activation_checkpointing=full"],
-    "fsdp": ["train.strategy=fsdp"],
-    "fsdp + checkpointing": ["train.strategy=fsdp", "train.activation_checkpointing=full"],
+    "ddp": ["parallel.strategy=ddp"],
+    "ddp + checkpointing": ["parallel.strategy=ddp", "parallel.activation_checkpointing=full"],
+    "fsdp": ["parallel.strategy=fsdp"],
+    "fsdp + checkpointing": ["parallel.strategy=fsdp", "parallel.activation_checkpointing=full"],
 }
 COMMON = ["train.precision=fp32", "data.num_workers=0", "checkpoint.resume=never", "run.tensorboard=false"]
 LARGER = ["model.layers=4", "model.width=256", "model.heads=4", "model.context=128"]  # 3.3M parameters

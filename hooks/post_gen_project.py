@@ -53,13 +53,13 @@ def resolve(answers: dict) -> tuple[dict, list[str]]:
     settings = {
         "data.batch_size": batch,
         "train.grad_accum_steps": accum,
-        "train.strategy": answers["strategy"],
+        "parallel.strategy": answers["strategy"],
         "train.precision": answers["precision"],
         "train.compile": bool(answers["compile"]),
-        "train.sync_batchnorm": sync_bn,
+        "parallel.sync_batchnorm": sync_bn,
         # the lr in default.yaml is taken as tuned for one device with these settings;
-        # runs on more devices scale it from this reference (train.lr_scaling)
-        "train.reference_batch_size": batch * accum,
+        # runs on more devices scale it from this reference (optim.lr_scaling)
+        "optim.reference_batch_size": batch * accum,
         "dist.gpus_per_node": gpus,
         "dist.num_nodes": nodes,
         "run.trackers": [] if answers["tracker"] == "tensorboard" else [answers["tracker"]],
@@ -160,8 +160,8 @@ def summary(answers: dict, settings: dict, notes: list[str]) -> str:
     global_batch = settings["data.batch_size"] * world * settings["train.grad_accum_steps"]
     lines = [
         f"Created {answers['project_slug']} (package {answers['package_name']}).",
-        f"  {settings['train.strategy']}, precision {settings['train.precision']}, "
-        f"SyncBatchNorm {on_off[settings['train.sync_batchnorm']]}, "
+        f"  {settings['parallel.strategy']}, precision {settings['train.precision']}, "
+        f"SyncBatchNorm {on_off[settings['parallel.sync_batchnorm']]}, "
         f"torch.compile {on_off[settings['train.compile']]}, accumulation {settings['train.grad_accum_steps']}",
         f"  global batch on {world} GPU(s): {settings['data.batch_size']} x {world} x "
         f"{settings['train.grad_accum_steps']} = {global_batch}",

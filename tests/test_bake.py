@@ -183,13 +183,13 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     assert config["train"]["precision"] == answers.get("precision", "bf16")
     assert config["train"]["compile"] is answers.get("compile", False)
     assert config["train"]["grad_accum_steps"] == int(answers.get("grad_accum_steps", "1"))
-    assert config["train"]["strategy"] == answers.get("strategy", "ddp")
+    assert config["parallel"]["strategy"] == answers.get("strategy", "ddp")
     floor = "torch>=2.8" if answers.get("strategy") == "fsdp" else "torch>=2.4"
     assert f'"{floor}"' in (project / "pyproject.toml").read_text()
     assert config["data"]["batch_size"] == int(answers.get("per_device_batch_size", "32"))
     total_gpus = int(answers.get("gpus_per_node", "8")) * int(answers.get("num_nodes", "1"))
     batch_norm = answers.get("task", "classifier") != "language_model"  # the language model has none
-    assert config["train"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm)
+    assert config["parallel"]["sync_batchnorm"] is (answers.get("sync_batchnorm", True) and total_gpus > 1 and batch_norm)
     assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
     tracker = answers.get("tracker", "tensorboard")
     assert config["run"]["trackers"] == ([] if tracker == "tensorboard" else [tracker])

@@ -80,7 +80,7 @@ def test_fsdp_with_fp16_is_refused_at_bake_time_and_fsdp_writes_its_strategy_and
     errors, _ = pre.validate(answers(strategy="fsdp", precision="fp16"))
     assert len(errors) == 1 and "type precision=bf16 (or fp32), or strategy=ddp" in errors[0]
     assert pre.validate(answers(strategy="fsdp"))[0] == []
-    assert post.resolve(answers(strategy="fsdp"))[0]["train.strategy"] == "fsdp"
+    assert post.resolve(answers(strategy="fsdp"))[0]["parallel.strategy"] == "fsdp"
 
 
 def test_unwise_sync_batchnorm_warns():
@@ -92,19 +92,19 @@ def test_unwise_sync_batchnorm_warns():
 def test_resolve_writes_prompted_values():
     settings, notes = post.resolve(answers(precision="fp16", grad_accum_steps="4", compile=True))
     assert settings["train.precision"] == "fp16" and settings["train.grad_accum_steps"] == 4
-    assert settings["train.compile"] is True and settings["train.reference_batch_size"] == 128
+    assert settings["train.compile"] is True and settings["optim.reference_batch_size"] == 128
     assert settings["dist.gpus_per_node"] == 8 and notes == []
     assert settings["run.trackers"] == [] and post.resolve(answers(tracker="mlflow"))[0]["run.trackers"] == ["mlflow"]
 
 
 def test_resolve_turns_sync_batchnorm_off_on_one_gpu():
     settings, notes = post.resolve(answers(gpus_per_node="1"))
-    assert settings["train.sync_batchnorm"] is False and "one GPU" in notes[0]
+    assert settings["parallel.sync_batchnorm"] is False and "one GPU" in notes[0]
 
 
 def test_the_language_model_needs_no_sync_batchnorm_and_says_why():
     settings, notes = post.resolve(answers(task="language_model"))
-    assert settings["train.sync_batchnorm"] is False and "no BatchNorm" in notes[0]
+    assert settings["parallel.sync_batchnorm"] is False and "no BatchNorm" in notes[0]
     assert pre.validate(answers(task="language_model", per_device_batch_size="4")) == ([], [])
 
 

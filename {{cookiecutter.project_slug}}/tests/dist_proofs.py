@@ -64,10 +64,10 @@ TOO_FEW_SAMPLES = (
     "a rank's share of the training set is smaller than one step (data.batch_size x 4 accumulation steps "
     "in the accumulation proof): pass a smaller data.batch_size after the command"
 )
-EXACT_MATHS = ["train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "train.sync_batchnorm=false"]
+EXACT_MATHS = ["train.precision=fp32", "optim.lr_scaling=none", "data.num_workers=0", "parallel.sync_batchnorm=false"]
 # the sharded loop's proofs: activation checkpointing on, a clip norm every step reaches, and an
 # odd number of eval samples (uneven over the ranks) to keep the evaluations short
-SHARDED = ["train.strategy=fsdp", "train.activation_checkpointing=full", "train.grad_clip=0.01", "train.eval_limit=61"]
+SHARDED = ["parallel.strategy=fsdp", "parallel.activation_checkpointing=full", "train.grad_clip=0.01", "eval.limit=61"]
 UPDATE_TOLERANCE = 1e-5  # of the largest weight: the norm of sharded gradients sums in another order
 
 
@@ -194,7 +194,7 @@ def reference_update_error(cfg, job: train.Job, steps: list, final_weights: dict
     and the whole must be the update of the whole."""
     model = task.build_model(cfg)
     model.load_state_dict(steps[0][0])
-    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, job.global_batch, cfg.train.reference_batch_size)
+    warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, job.global_batch, cfg.optim.reference_batch_size)
     optimizer = optim.build_optimizer(model, cfg, job.state.optimizer.param_groups[0]["initial_lr"])
     scheduler = optim.build_scheduler(optimizer, cfg, job.total_steps, warmup)
     state = train.TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
@@ -250,7 +250,7 @@ def prove_memory(out: Path, overrides: list[str], info: DistInfo) -> dict:
 
 
 def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
-    """What wrap did under train.strategy=fsdp: every unit and the root sharded, every parameter
+    """What wrap did under parallel.strategy=fsdp: every unit and the root sharded, every parameter
     a shard, each unit's activations recomputed."""
     cfg = config.load(SMOKE, [*SHARDED, *overrides])
     model = train.wrap(task.build_model(cfg), cfg, info)
@@ -269,7 +269,7 @@ def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
 
 def prove_sharded(out: Path, overrides: list[str], info: DistInfo) -> dict:
     sharded = [*SHARDED, *overrides]
-    whole_gradients = [*sharded, "fsdp.reduce_every_micro_batch=false"]
+    whole_gradients = [*sharded, "parallel.reduce_every_micro_batch=false"]
     return {
         "world_size": info.world_size,
         "equivalence": prove_ddp_equals_big_batch(out / "fsdp", sharded, info, accum=1, steps=3),
@@ -384,7 +384,7 @@ def prove_epochs_reshuffle(out: Path, overrides: list[str], info: DistInfo, epoc
 
 
 def prove_wrapping(overrides: list[str], info: DistInfo) -> dict:
-    cfg = config.load(SMOKE, [*overrides, "dist.bucket_cap_mb=7"])
+    cfg = config.load(SMOKE, [*overrides, "parallel.bucket_cap_mb=7"])
     model = train.wrap(task.build_model(cfg), cfg, info)
     return {
         "is_ddp": isinstance(model, DDP),
@@ -528,7 +528,7 @@ def prove_resume(out: Path, overrides: list[str], info: DistInfo, path: Path) ->
     for name, state in saved["optimizer"]["state"].items():
         ours = optimizer["state"][name]
         differ += [f"{name}.{key}" for key, value in state.items() if not torch.equal(ours[key], value)]
-    return {"differ": differ, "names": len(weights), "strategy": cfg.train.strategy, "world_size": info.world_size}
+    return {"differ": differ, "names": len(weights), "strategy": cfg.parallel.strategy, "world_size": info.world_size}
 
 
 # ---- Activation checkpointing with dropout, and the fsdp settings' effects --------------------
@@ -554,11 +554,11 @@ class DropoutBlocks(torch.nn.Module):
 
 
 def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
-    """The stand-in's reduced gradients with train.activation_checkpointing full and selective, and
+    """The stand-in's reduced gradients with parallel.activation_checkpointing full and selective, and
     with none under other dropout masks, against none's: the largest differences. It is wrapped as
     train.wrap wraps a model for `strategy` (checkpointing, then DDP or fully_shard), with its own
     units: a foreign model never reaches the task's shard_units."""
-    cfg = config.load(SMOKE, ["train.precision=fp32", f"train.strategy={strategy}"])
+    cfg = config.load(SMOKE, ["train.precision=fp32", f"parallel.strategy={strategy}"])
     inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(info.rank))  # each rank its batch
 
     def gradients(mode: str, dropout_seed: int) -> list[torch.Tensor]:
@@ -584,14 +584,14 @@ def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
 
 
 def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict:
-    """What fsdp.reshard_after_forward and fsdp.reduce_every_micro_batch do to the task's model as
+    """What parallel.reshard_after_forward and parallel.reduce_every_micro_batch do to the task's model as
     train.wrap shards it: after the forward pass of a micro-batch that is not an optimizer step's
     last, whether the units' parameters are still gathered (plain tensors, not shards); after its
     backward, whether gradients were reduce-scattered (a parameter has one)."""
     results = {}
     for reshard in (True, False):
         for every in (True, False):
-            settings = [f"fsdp.reshard_after_forward={reshard}", f"fsdp.reduce_every_micro_batch={every}"]
+            settings = [f"parallel.reshard_after_forward={reshard}", f"parallel.reduce_every_micro_batch={every}"]
             cfg = exact_config(out, [*SHARDED, *overrides], *settings, "train.grad_accum_steps=2")
             model = train.wrap(task.build_model(cfg), cfg, info)
             train_loader, _ = loaders.build_loaders(*loaders.datasets(cfg), cfg, info, 0)

@@ -1,4 +1,4 @@
-"""train.activation_checkpointing: a recomputed unit gives the gradients of the forward pass it
+"""parallel.activation_checkpointing: a recomputed unit gives the gradients of the forward pass it
 replays, dropout included, and the setting takes effect under either strategy (sharding.py,
 train.wrap). The 2-rank proofs under ddp and fsdp are in tests/dist_proofs.py."""
 
@@ -53,7 +53,7 @@ def saved_for_backward(model: nn.Module, batch) -> int:
 def test_activation_checkpointing_makes_the_tasks_units_recompute_under_either_strategy(strategy):
     saved, recomputed = {}, {}
     for mode in ("none", "selective", "full"):
-        settings = [f"train.strategy={strategy}", f"train.activation_checkpointing={mode}", "train.precision=fp32"]
+        settings = [f"parallel.strategy={strategy}", f"parallel.activation_checkpointing={mode}", "train.precision=fp32"]
         cfg = config.load(SMOKE_CONFIG, [*settings, "data.num_workers=0"])
         torch.manual_seed(0)
         model = train.wrap(task.build_model(cfg), cfg, WORLD_OF_ONE)  # the loop's own wrapping (fsdp: a world of one)

@@ -50,13 +50,13 @@ def test_sync_rewrites_a_drifted_file_and_keeps_its_values(tmp_path):
     assert dropped == ["train.gone=1 (an unknown key)", "train.grad_clip='tight' ('tight' is not a number or null)"]
     assert yaml_comments(drifted.read_text()) == dataclass_comments()
     cfg = config.load(drifted)
-    assert cfg.train.lr == 0.05 and cfg.data.batch_size == 7 and cfg.run == config.RunConfig()
+    assert cfg.optim.lr == 0.05 and cfg.data.batch_size == 7 and cfg.run == config.RunConfig()
 
 
 def test_sync_leaves_the_file_as_it_was_when_a_value_breaks_a_rule(tmp_path):
     path = tmp_path / "default.yaml"
     path.write_text("train:\n  lr: -1.0\n")  # of the right type, against its rule: the user's to fix
-    with pytest.raises(ConfigError, match=r"train.lr: -1.0 is invalid; use a positive learning rate"):
+    with pytest.raises(ConfigError, match=r"optim.lr: -1.0 is invalid; use a positive learning rate"):
         config.sync(path)
     assert path.read_text() == "train:\n  lr: -1.0\n"
 
@@ -83,15 +83,15 @@ def test_sync_with_a_rule_that_fails_to_run_is_one_line_exit_2_and_the_file_unch
 
 
 def test_yaml_then_overrides():
-    cfg = config.load(SMOKE_CONFIG, ["train.lr=3e-4", "data.num_workers=2", "train.max_steps=null", "run.name=x"])
-    assert cfg.train.lr == 3e-4 and cfg.data.num_workers == 2 and cfg.train.max_steps is None
+    cfg = config.load(SMOKE_CONFIG, ["optim.lr=3e-4", "data.num_workers=2", "train.max_steps=null", "run.name=x"])
+    assert cfg.optim.lr == 3e-4 and cfg.data.num_workers == 2 and cfg.train.max_steps is None
     assert cfg.data.batch_size == 16  # from smoke.yaml
     assert cfg.model == type(cfg.model)()  # dataclass defaults: smoke.yaml has no model section
     assert str(cfg.run_dir).endswith("runs/x")
 
 
 def test_integers_are_accepted_for_floats():
-    assert config.load(None, ["train.lr=1"]).train.lr == 1.0
+    assert config.load(None, ["optim.lr=1"]).optim.lr == 1.0
 
 
 @pytest.mark.parametrize(
@@ -105,8 +105,8 @@ def test_integers_are_accepted_for_floats():
         ("data.batch_size=abc", "data.batch_size: 'abc' is not an integer"),
         ("data.num_workers=many", "data.num_workers: 'many' is not an integer or 'auto'"),
         ("train.compile=maybe", "train.compile: 'maybe' is not true/false"),
-        ("train.lr=0", "train.lr: 0.0 is invalid; use a positive learning rate"),
-        ("train.warmup_fraction=1.5", "train.warmup_fraction: 1.5 is invalid"),
+        ("optim.lr=0", "optim.lr: 0.0 is invalid; use a positive learning rate"),
+        ("schedule.warmup_fraction=1.5", "schedule.warmup_fraction: 1.5 is invalid"),
         ("dist.timeout_minutes=0", "dist.timeout_minutes: 0.0 is invalid"),
         ("lr=1", "must look like section.key=value"),
     ],

@@ -143,7 +143,7 @@ def test_ddp_wrapping_settings(proofs):
     assert wrapping["is_ddp"] and wrapping["eval_model_is_unwrapped"]
     assert wrapping["gradient_as_bucket_view"] is True
     assert wrapping["find_unused_parameters"] is False
-    assert wrapping["bucket_bytes_cap"] == 7 * 1024 * 1024  # dist.bucket_cap_mb
+    assert wrapping["bucket_bytes_cap"] == 7 * 1024 * 1024  # parallel.bucket_cap_mb
 
 
 def test_eval_on_two_ranks_gives_the_metrics_of_one_process(proofs):

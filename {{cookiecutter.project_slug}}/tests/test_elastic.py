@@ -192,8 +192,8 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 FSDP_FLOOR = sharding.floor_problem()
 WORLDS = {"ddp-full": (3, 1), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
 SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
-DDP = ("train.strategy=ddp",)
-FSDP = ("train.strategy=fsdp", "train.activation_checkpointing=selective")
+DDP = ("parallel.strategy=ddp",)
+FSDP = ("parallel.strategy=fsdp", "parallel.activation_checkpointing=selective")
 KILLS = {
     "ddp-full": (DDP, (), SLOW_STEPS, "step_00000010.pt"),
     "fsdp-full": (FSDP, ("checkpoint.format=full",), SLOW_STEPS, "step_00000010.pt"),
@@ -211,7 +211,7 @@ def elastic_settings(strategy: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
     per_epoch = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 12  # global batch 12: 6 x 2 ranks
     assert per_epoch > 14, "the kill must land mid-epoch"
     steps = per_epoch + 6
-    exact = ("train.precision=fp32", "train.lr_scaling=none", "data.num_workers=0", "data.batch_size=6", *NO_BATCHNORM)
+    exact = ("train.precision=fp32", "optim.lr_scaling=none", "data.num_workers=0", "data.batch_size=6", *NO_BATCHNORM)
     checkpoints = ("checkpoint.every_steps=10", "checkpoint.keep_last=20")
     return (*exact, *checkpoints, f"train.max_steps={steps}", *strategy), steps
 

@@ -1,6 +1,6 @@
 """The GPU paths on real GPUs (`pytest -m gpu`): the GPU-count guard, the bf16 rule on the
 rank's own GPU without touching GPU 0, where ranks really compute (the smoke check's device
-row), the device bound before the process group is created, and train.strategy=fsdp on nccl
+row), the device bound before the process group is created, and parallel.strategy=fsdp on nccl
 (the proofs, bf16 gathering, CPU offload). Skipped, with the reason,
 where the GPUs are missing; the same logic with CUDA faked is in test_hardware.py."""
 
@@ -126,6 +126,6 @@ def test_fsdp_proofs_hold_on_two_gpus_with_nccl(tmp_path):
 @pytest.mark.parametrize("offload", ["false", "true"])
 def test_fsdp_trains_in_bf16_on_two_gpus_with_and_without_cpu_offload(tmp_path, offload):
     # bf16 gathering with fp32 gradient reduction; offload: the state in CPU memory, gloo beside nccl
-    overrides = ("train.strategy=fsdp", "train.precision=bf16", f"fsdp.cpu_offload={offload}")
+    overrides = ("parallel.strategy=fsdp", "train.precision=bf16", f"parallel.cpu_offload={offload}")
     result = torchrun(*train_args(tmp_path, *overrides), timeout=300)
     assert "strategy fsdp on 2 ranks" in result.stdout and "done:" in result.stdout

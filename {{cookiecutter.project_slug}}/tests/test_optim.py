@@ -59,7 +59,7 @@ SHAPES = [
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd", "step"])
 def test_each_schedule_warms_up_then_follows_its_formula(schedule, shape):
     model = torch.nn.Linear(2, 2)
-    cfg = config.load(None, [f"train.schedule={schedule}", *(f"train.{key}={value}" for key, value in shape.items())])
+    cfg = config.load(None, [f"schedule.name={schedule}", *(f"train.{key}={value}" for key, value in shape.items())])
     optimizer = optim.build_optimizer(model, cfg, lr=1.0)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps=100, warmup_share=0.05)
     lrs = []
@@ -89,7 +89,7 @@ def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name, kin
     if kind is None:
         pytest.skip(f"torch.optim.Adafactor needs torch>=2.5; this is {torch.__version__}")
     overrides = [f"optim.name={name}", "optim.betas=[0.8, 0.95]", "optim.momentum=0.5", "optim.nesterov=true"]
-    cfg = config.load(None, [*overrides, "train.weight_decay=0.05"])  # not the default 0.01
+    cfg = config.load(None, [*overrides, "optim.weight_decay=0.05"])  # not the default 0.01
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
     optimizer = optim.build_optimizer(model, cfg, lr=1e-3)
     assert type(optimizer) is kind and [group["weight_decay"] for group in optimizer.param_groups] == [0.05, 0.0]
@@ -101,10 +101,10 @@ def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name, kin
 def test_an_optimizer_or_schedule_of_the_task_must_be_defined_and_adafactor_needs_its_torch(monkeypatch):
     with pytest.raises(ConfigError, match="optim.name: task, but task.py has no build_optimizer; define it"):
         optim.check(config.load(None, ["optim.name=task"]))
-    with pytest.raises(ConfigError, match="train.schedule: task, but task.py has no build_scheduler"):
-        optim.check(config.load(None, ["train.schedule=task"]))
+    with pytest.raises(ConfigError, match="schedule.name: task, but task.py has no build_scheduler"):
+        optim.check(config.load(None, ["schedule.name=task"]))
     monkeypatch.delattr(torch.optim, "Adafactor", raising=False)
     with pytest.raises(ConfigError, match=r"optim.name: adafactor needs torch>=2.5 \(this is .*\); use adamw or sgd"):
         optim.check(config.load(None, ["optim.name=adafactor"]))
-    with pytest.raises(ConfigError, match=r"train.milestones: \[0.75, 0.5\] is invalid; use increasing shares"):
-        config.load(None, ["train.milestones=[0.75, 0.5]"])
+    with pytest.raises(ConfigError, match=r"schedule.milestones: \[0.75, 0.5\] is invalid; use increasing shares"):
+        config.load(None, ["schedule.milestones=[0.75, 0.5]"])

@@ -57,7 +57,7 @@ def test_the_summary_compares_runs_and_shows_the_settings_that_differ(tmp_path):
     write_resumed_run(tmp_path / "a", lr=0.01)
     write_resumed_run(tmp_path / "b", lr=0.03)
     text = report.summary([report.read_run(RunDir(tmp_path / name), name) for name in "ab"], ("accuracy", "max"))
-    assert "| | a | b |" in text and "| train.lr | `0.01` | `0.03` |" in text
+    assert "| | a | b |" in text and "| optim.lr | `0.01` | `0.03` |" in text
     assert "| steps | 40 | 40 |" in text and "| wall time | 5.5 s | 5.5 s |" in text
     assert "| best eval accuracy | 0.8000 at step 40 | 0.8000 at step 40 |" in text
     assert "10.00 ms: data wait 1.00, forward+backward 6.00, optimizer 2.00, other 1.00" in text

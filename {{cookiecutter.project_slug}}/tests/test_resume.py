@@ -134,7 +134,7 @@ def test_a_run_with_accumulation_killed_mid_epoch_resumes_bit_identical(run_here
     if recompute != "none":  # recomputed units that draw random numbers in their forward, as dropout does
         monkeypatch.setattr(task, "build_model", with_noisy_units(task.build_model))
     settings = (f"train.grad_accum_steps={accum}", "data.batch_size=2", "train.max_steps=5")
-    settings += ("checkpoint.every_steps=2", f"train.activation_checkpointing={recompute}")
+    settings += ("checkpoint.every_steps=2", f"parallel.activation_checkpointing={recompute}")
     cfg, _ = run_here("run", *settings, train_samples=6 * accum)
     run_dir = cfg.run_dir
     uninterrupted = weights_and_moments(run_dir.checkpoint(5))
@@ -194,16 +194,16 @@ def test_a_new_global_batch_allowed_on_another_world_size_moves_the_peak_lr_by_t
     # a 2-rank run of global batch 4 (2 x batch 2), tuned at 4, resumed after step 1, inside the
     # warmup, on 1 rank with batch 8: twice the global batch, so the lr of every later step,
     # through warmup and decay, is x 2 (linear) or x 1.41 (sqrt) the schedule's
-    schedule = (f"train.lr_scaling={rule}", "train.reference_batch_size=4", "train.warmup_fraction=0.375")
-    schedule += ("train.schedule=linear", "train.min_lr_ratio=0.1")
+    schedule = (f"optim.lr_scaling={rule}", "optim.reference_batch_size=4", "schedule.warmup_fraction=0.375")
+    schedule += ("schedule.name=linear", "schedule.min_lr_ratio=0.1")
     cfg, _ = run_here("run", "data.batch_size=4", "train.max_steps=1", *schedule)
     as_written_by_two_ranks(cfg.run_dir.checkpoint(1))
     allowed = ("data.batch_size=8", "checkpoint.allow_new_global_batch=true", "train.max_steps=8")
     resumed, watched = run_here("run", *allowed, *schedule)
     moved = "the global batch goes from 4 to 8 = batch 8 x 1 x accum 1 (checkpoint.allow_new_global_batch)"
-    assert moved in watched.out and "the lr rescaled by train.lr_scaling" in watched.out
-    peak = cfg.train.lr * ratio
-    assert f"lr {peak:.3g}: train.lr {cfg.train.lr:g} tuned at batch 4, scaled {rule}" in watched.out
+    assert moved in watched.out and "the lr rescaled by optim.lr_scaling" in watched.out
+    peak = cfg.optim.lr * ratio
+    assert f"lr {peak:.3g}: optim.lr {cfg.optim.lr:g} tuned at batch 4, scaled {rule}" in watched.out
     logged = lrs(resumed)  # after step s: the lr of step s + 1
     assert sorted(logged) == list(range(1, 9))  # step 1's record is the first run's, at its own peak
     assert [logged[step] for step in range(2, 9)] == pytest.approx([peak * linear_schedule(s) for s in range(2, 9)])
@@ -241,7 +241,7 @@ def test_a_split_chosen_for_another_world_size_is_kept_by_a_restart_and_never_li
     checkpoint.restore(job.model, job.state, path, payload, rank_0_of_2, settings, config.to_dict(asked))
     assert capsys.readouterr().out == ""
     # a setting the user did change is still named, and only it
-    changed = config.load(SMOKE_CONFIG, [*given, "train.lr=0.5"])
+    changed = config.load(SMOKE_CONFIG, [*given, "optim.lr=0.5"])
     checkpoint.restore(job.model, job.state, path, payload, rank_0_of_2, settings, config.to_dict(changed))
     note = capsys.readouterr().out
-    assert "settings changed since it was written: train.lr " in note and "grad_accum_steps" not in note
+    assert "settings changed since it was written: optim.lr " in note and "grad_accum_steps" not in note

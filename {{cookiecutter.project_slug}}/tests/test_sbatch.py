@@ -126,7 +126,7 @@ def scontrol_calls(tmp_path) -> str:
 
 
 def test_sbatch_builds_the_launch_command(tmp_path):
-    run(["bash", str(SBATCH), "train.lr=3e-4"], env=slurm(tmp_path, STUB_EXIT="0"), timeout=60)
+    run(["bash", str(SBATCH), "optim.lr=3e-4"], env=slurm(tmp_path, STUB_EXIT="0"), timeout=60)
     args = srun_args(tmp_path)
     assert args[0] == "--kill-on-bad-exit=1" and "--ntasks-per-node=1" in args
     assert "--cpus-per-task=64" in args  # srun does not inherit it from sbatch (Slurm >= 22.05)
@@ -137,7 +137,7 @@ def test_sbatch_builds_the_launch_command(tmp_path):
     port = int(next(a for a in args if a.startswith("--rdzv-endpoint=gpu-node-1:")).rsplit(":", 1)[1])
     assert port != launch.DEFAULT_MASTER_PORT and 24242 <= port < 24442  # this job's own port, derived from its id
     assert args[[i for i, a in enumerate(args) if a == "-m"][-1] + 1] == f"{PACKAGE}.train"
-    assert args[-3:] == ["run.name=slurm-4242", "checkpoint.resume=auto", "train.lr=3e-4"]
+    assert args[-3:] == ["run.name=slurm-4242", "checkpoint.resume=auto", "optim.lr=3e-4"]
 
 
 def test_sbatch_asks_for_cpus_and_warns_only_its_batch_shell():

@@ -1,4 +1,4 @@
-"""train.strategy=fsdp and activation checkpointing: the units, the rules that keep FSDP correct,
+"""parallel.strategy=fsdp and activation checkpointing: the units, the rules that keep FSDP correct,
 the memory estimate, and checkpoints that resume under either strategy on any world size.
 The sharded loop's maths is proven in tests/dist_proofs.py (test_distributed.py)."""
 
@@ -110,14 +110,14 @@ def test_the_memory_estimate_shares_the_state_over_the_ranks_and_adds_the_gather
     largest = sum(p.numel() for p in model.blocks[0].parameters())
     ddp = smoke_config("train.precision=fp32")
     assert sharding.static_memory_bytes(model, units, ddp, 8) == 16 * params
-    fsdp = smoke_config("train.strategy=fsdp", "train.precision=bf16")
+    fsdp = smoke_config("parallel.strategy=fsdp", "train.precision=bf16")
     assert sharding.static_memory_bytes(model, units, fsdp, 8) == 16 * params // 8 + 2 * largest * 2
-    kept = smoke_config("train.strategy=fsdp", "train.precision=fp32", "fsdp.reshard_after_forward=false")
+    kept = smoke_config("parallel.strategy=fsdp", "train.precision=fp32", "parallel.reshard_after_forward=false")
     assert sharding.static_memory_bytes(model, units, kept, 8) == 16 * params // 8 + 3 * largest * 4
-    whole = smoke_config("train.strategy=fsdp", "train.precision=fp32", "train.grad_accum_steps=2")
+    whole = smoke_config("parallel.strategy=fsdp", "train.precision=fp32", "train.grad_accum_steps=2")
     assert sharding.static_memory_bytes(model, units, whole, 8) == 16 * params // 8 + 2 * largest * 4
     whole = smoke_config(
-        "train.strategy=fsdp", "train.precision=fp32", "train.grad_accum_steps=2", "fsdp.reduce_every_micro_batch=false"
+        "parallel.strategy=fsdp", "train.precision=fp32", "train.grad_accum_steps=2", "parallel.reduce_every_micro_batch=false"
     )
     assert sharding.static_memory_bytes(model, units, whole, 8) == 16 * params // 8 + 2 * largest * 4 + 4 * params
     assert "whole gradients between micro-batches" in sharding.gathered(whole)
@@ -125,22 +125,22 @@ def test_the_memory_estimate_shares_the_state_over_the_ranks_and_adds_the_gather
 
 def test_fsdp_below_its_torch_floor_is_one_line_naming_the_version():
     problem = sharding.floor_problem("2.7.1+cu126")
-    assert "train.strategy: fsdp needs torch>=2.8 (this is 2.7.1+cu126)" in problem and "train.strategy=ddp" in problem
+    assert "parallel.strategy: fsdp needs torch>=2.8 (this is 2.7.1+cu126)" in problem and "parallel.strategy=ddp" in problem
     assert sharding.floor_problem("2.8.0") is None and sharding.floor_problem("2.14.1") is None
 
 
 @needs_fsdp
 def test_fsdp_refuses_fp16_and_cpu_offload_without_a_gpu_naming_the_fix():
     with pytest.raises(ConfigError, match="use bf16"):
-        sharding.check(smoke_config("train.strategy=fsdp", "train.precision=fp16"), torch.device("cpu"))
-    with pytest.raises(ConfigError, match="fsdp.cpu_offload"):
-        sharding.check(smoke_config("train.strategy=fsdp", "fsdp.cpu_offload=true"), torch.device("cpu"))
+        sharding.check(smoke_config("parallel.strategy=fsdp", "train.precision=fp16"), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="parallel.cpu_offload"):
+        sharding.check(smoke_config("parallel.strategy=fsdp", "parallel.cpu_offload=true"), torch.device("cpu"))
     sharding.check(smoke_config("train.precision=fp16"), torch.device("cpu"))  # ddp: GradScaler sees it all
 
 
 @pytest.mark.skipif(not sharding.floor_problem(), reason=f"torch {torch.__version__} shards; the floor run checks this")
 def test_fsdp_on_this_torch_exits_2_with_one_line_before_anything_starts(tmp_path):
-    result = torchrun(*train_args(tmp_path, "train.strategy=fsdp"), timeout=120, check=False)
+    result = torchrun(*train_args(tmp_path, "parallel.strategy=fsdp"), timeout=120, check=False)
     assert result.returncode != 0 and not (tmp_path / "smoke").exists()
     lines = [line for line in result.stderr.splitlines() if line.startswith("config error")]
     assert lines and all("fsdp needs torch>=2.8" in line for line in lines)
@@ -161,9 +161,9 @@ def test_a_ddp_checkpoint_loads_exactly_under_fsdp_and_back_on_other_world_sizes
     torchrun(*train_args(tmp_path / "ddp", *steps), timeout=180)
     written = final_state(tmp_path / "ddp" / "smoke", 6)
     assert all(isinstance(name, str) for name in written["optimizer"]["state"])  # names, not positions
-    proof = resume_proof(tmp_path / "fsdp3", tmp_path / "ddp" / "smoke", 3, "train.strategy=fsdp")
+    proof = resume_proof(tmp_path / "fsdp3", tmp_path / "ddp" / "smoke", 3, "parallel.strategy=fsdp")
     assert proof["differ"] == [] and proof["names"] > 0 and proof["world_size"] == 3
-    torchrun(*train_args(tmp_path / "fsdp", *steps, "train.strategy=fsdp"), timeout=180)
+    torchrun(*train_args(tmp_path / "fsdp", *steps, "parallel.strategy=fsdp"), timeout=180)
     proof = resume_proof(tmp_path / "ddp1", tmp_path / "fsdp" / "smoke", 1)  # and on 1 rank, as evaluate reads it
     assert proof["differ"] == [] and proof["strategy"] == "ddp" and proof["world_size"] == 1
 
@@ -193,7 +193,7 @@ def test_a_checkpoint_holds_the_optimizer_state_by_name_and_one_by_position_stil
 @pytest.mark.task
 def test_the_smoke_check_passes_under_fsdp_on_the_tasks_own_model(tmp_path):
     # the test-sized run in bf16: parameters gathered in bf16, BatchNorm's groups in fp32
-    command = ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, "train.strategy=fsdp", f"run.out_dir={tmp_path}"]
+    command = ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, "parallel.strategy=fsdp", f"run.out_dir={tmp_path}"]
     result = run(command, env=project_env(CUDA_VISIBLE_DEVICES=""), timeout=300)
     assert "smoke: PASS (0 failed" in result.stdout, result.stdout[-3000:]
     rows = smoke_rows(result.stdout)
@@ -206,10 +206,10 @@ def test_the_smoke_check_passes_under_fsdp_on_the_tasks_own_model(tmp_path):
 @pytest.mark.task
 def test_the_same_run_under_fsdp_reaches_ddps_evaluation(tmp_path):
     # fp32 and no recompute: the two differ only in the order gradients are summed
-    exact = ("train.precision=fp32", "train.max_steps=20", "train.eval_every=20", "train.eval_limit=256")
+    exact = ("train.precision=fp32", "train.max_steps=20", "eval.every=20", "eval.limit=256")
     results = {}
     for strategy in ("ddp", "fsdp"):
-        torchrun(*train_args(tmp_path / strategy, *exact, f"train.strategy={strategy}"), timeout=300)
+        torchrun(*train_args(tmp_path / strategy, *exact, f"parallel.strategy={strategy}"), timeout=300)
         evaluations = records.of_kind(read_metrics(tmp_path / strategy / "smoke"), records.EVAL)
         results[strategy] = records.eval_metrics(evaluations[-1])
     assert results["fsdp"].keys() == results["ddp"].keys()

@@ -101,7 +101,7 @@ def test_a_two_rank_run_resumed_mid_way_logs_every_step_once_in_order(tmp_path):
 
 @pytest.mark.slow
 def test_evaluations_within_an_epoch_and_the_baseline_become_eval_events(tmp_path):
-    overrides = ("train.eval_every=10", "train.eval_at_start=true", "train.max_steps=30", "run.tensorboard=true")
+    overrides = ("eval.every=10", "eval.at_start=true", "train.max_steps=30", "run.tensorboard=true")
     torchrun(*train_args(tmp_path, *overrides))
     events = scalars(tmp_path / "smoke" / "tensorboard")
     assert [step for step, _ in events[f"eval/{task.MAIN_METRIC[0]}"]] == [0, 10, 20, 30]

@@ -95,7 +95,7 @@ def test_a_resumed_start_sends_each_tracker_what_it_missed_up_to_the_checkpoint(
 
 def test_settings_become_flat_params():
     params = tracker_worker.flat({"config": {"train": {"lr": 0.001, "compile": False}, "run": {"name": "a"}}})
-    assert params == {"config.train.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
+    assert params == {"config.optim.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
 
 
 class Recording(tracker_worker.Tracker):
@@ -290,7 +290,7 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
     assert run.info.status == "FINISHED" and run.info.run_name == "smoke" and run.data.tags["tracked_run_id"] == tracked
     params = run.data.params
     assert params["config.run.trackers"] == '["mlflow", "wandb"]'
-    assert params["config.train.lr"] == json.dumps(saved["config"]["train"]["lr"])
+    assert params["config.optim.lr"] == json.dumps(saved["config"]["optim"]["lr"])
     assert params["world_size"] == "2" and params["project.project_slug"] == tracking.PROJECT
     assert params["config.train.max_steps"] == "null"  # the first start's value is kept, the change is a tag
     assert any(tag.startswith("changed_on_resume") for tag in run.data.tags)

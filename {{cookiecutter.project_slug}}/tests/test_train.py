@@ -53,7 +53,7 @@ def test_two_process_run_trains_and_reports(tmp_path):
     for line in (
         "world size 2 (2 per node), backend gloo",
         "global batch 32 = 16 per device x 2 ranks x 1",
-        f"lr {smoke.train.lr:.3g} (train.lr, tuned at batch 32; global batch 32: not scaled)",
+        f"lr {smoke.optim.lr:.3g} (optim.lr, tuned at batch 32; global batch 32: not scaled)",
         "static memory per device",
         "loader workers per rank",
         f"eval step {epoch} | epoch 0 | loss ",
@@ -63,7 +63,7 @@ def test_two_process_run_trains_and_reports(tmp_path):
     ):
         assert line in out
     assert out.count("world size") == 1  # printed by rank 0 only
-    unused = "note: train.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out
+    unused = "note: parallel.sync_batchnorm is on but unused: SyncBatchNorm needs CUDA" in out
     assert unused == train.has_batchnorm(build_model(smoke))  # nothing to say about a model without BatchNorm
     precision_note = hardware.precision_note(smoke.train.precision, torch.device("cpu"))
     assert precision_note is None or precision_note in out
@@ -99,13 +99,13 @@ def test_non_finite_loss_stops_every_rank_with_advice(tmp_path):
     )
     assert result.returncode != 0
     for rank in (0, 1):  # rank 1 produced the NaN; the reduced loss stops rank 0 too
-        line = f"[rank {rank}/2] FloatingPointError: loss is nan or inf between steps 1 and 5: lower train.lr"
+        line = f"[rank {rank}/2] FloatingPointError: loss is nan or inf between steps 1 and 5: lower optim.lr"
         assert line in result.stderr
 
 
 @pytest.mark.slow
 def test_eval_every_keeps_its_schedule_across_a_resume_and_counts_every_sample(tmp_path):
-    overrides = ("train.eval_every=20", "train.eval_at_start=true", "checkpoint.every_steps=20")
+    overrides = ("eval.every=20", "eval.at_start=true", "checkpoint.every_steps=20")
     first = torchrun(*train_args(tmp_path, *overrides, "train.max_steps=50"), timeout=120)
     assert "eval step 0 | epoch 0 |" in first.stdout and "eval step 20 | epoch 0 |" in first.stdout
     torchrun(*train_args(tmp_path, *overrides, "train.max_steps=90"), timeout=120)  # resumes at 50
@@ -127,7 +127,7 @@ def test_evaluate_names_what_to_pass_when_the_target_holds_no_checkpoint(tmp_pat
 
 @pytest.mark.slow
 def test_evaluate_gives_a_checkpoint_the_metrics_its_training_run_logged(tmp_path):
-    torchrun(*train_args(tmp_path, "train.eval_every=20", "checkpoint.every_steps=20", "train.max_steps=40"))
+    torchrun(*train_args(tmp_path, "eval.every=20", "checkpoint.every_steps=20", "train.max_steps=40"))
     logged = {e["step"]: e for e in records.of_kind(read_metrics(tmp_path / "smoke"), records.EVAL)}
     run_dir = tmp_path / "smoke"
     # the run directory's latest checkpoint, on 2 ranks as it was trained: the same sums, bit for bit
@@ -186,7 +186,7 @@ def test_sync_batchnorm_is_converted_before_ddp_on_gpus(tmp_path):
         f"{PACKAGE}.tools.smoke",
         "--config",
         str(PROJECT / "configs" / "smoke.yaml"),
-        "train.sync_batchnorm=true",
+        "parallel.sync_batchnorm=true",
         timeout=300,
     )
     assert "PASS  SyncBatchNorm" in result.stdout
@@ -243,9 +243,9 @@ def test_optimizer_step_frees_the_gradients():
 
 @pytest.mark.parametrize("norm, noted", [(torch.nn.BatchNorm1d(4), True), (torch.nn.LayerNorm(4), False)])
 def test_the_unused_sync_batchnorm_note_is_only_for_models_with_batchnorm(capsys, norm, noted):
-    cfg = config.load(SMOKE_CONFIG, ["train.sync_batchnorm=true"])
+    cfg = config.load(SMOKE_CONFIG, ["parallel.sync_batchnorm=true"])
     train.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), norm), cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
-    assert ("train.sync_batchnorm is on but unused" in capsys.readouterr().out) is noted
+    assert ("parallel.sync_batchnorm is on but unused" in capsys.readouterr().out) is noted
 
 
 @pytest.mark.usefixtures("process_settings")
@@ -277,12 +277,12 @@ def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(prec
 
 
 def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():
-    sgd = config.load(SMOKE_CONFIG, ["optim.name=sgd", "train.lr=0.1", "train.reference_batch_size=32"])
+    sgd = config.load(SMOKE_CONFIG, ["optim.name=sgd", "optim.lr=0.1", "optim.reference_batch_size=32"])
     assert train.lr_line(sgd, 0.2, 64) == (
-        "lr 0.2: train.lr 0.1 tuned at batch 32, scaled linear (train.lr_scaling=auto for sgd) to the global "
-        "batch 64; train.lr_scaling=none keeps 0.1"
+        "lr 0.2: optim.lr 0.1 tuned at batch 32, scaled linear (optim.lr_scaling=auto for sgd) to the global "
+        "batch 64; optim.lr_scaling=none keeps 0.1"
     )
-    assert train.lr_line(config.load(SMOKE_CONFIG, ["train.lr_scaling=none"]), 0.01, 64).endswith("not scaled)")
+    assert train.lr_line(config.load(SMOKE_CONFIG, ["optim.lr_scaling=none"]), 0.01, 64).endswith("not scaled)")
 
 
 def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
@@ -295,8 +295,8 @@ def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
 @pytest.mark.parametrize(
     "overrides, line",
     [
-        (("train.strategy=fsdp", "fsdp.cpu_offload=true"), "config error: fsdp.cpu_offload: moves GPU state"),
-        (("train.strategy=fsdp", "train.precision=fp16"), "config error: train.precision: fp16 under train.strategy"),
+        (("parallel.strategy=fsdp", "parallel.cpu_offload=true"), "config error: parallel.cpu_offload: moves GPU state"),
+        (("parallel.strategy=fsdp", "train.precision=fp16"), "config error: train.precision: fp16 under parallel.strategy"),
         (("checkpoint.format=full", "checkpoint.async_save=true"), "config error: checkpoint.async_save: writes"),
     ],
     ids=["cpu-offload-without-a-gpu", "fsdp-in-fp16", "async-full-checkpoints"],
@@ -304,7 +304,7 @@ def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
 def test_settings_this_machine_or_each_other_refuse_stop_the_run_with_one_line_before_it_starts(
     tmp_path, capsys, overrides, line
 ):
-    if "train.strategy=fsdp" in overrides and sharding.floor_problem():
+    if "parallel.strategy=fsdp" in overrides and sharding.floor_problem():
         pytest.skip(sharding.floor_problem())
     with pytest.raises(SystemExit) as stopped:
         train.main(["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "data.num_workers=0", *overrides])
@@ -315,7 +315,7 @@ def test_settings_this_machine_or_each_other_refuse_stop_the_run_with_one_line_b
 
 def test_cpu_offload_runs_the_process_group_with_gloo_beside_nccl():
     on_gpus = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")
-    offload = config.load(SMOKE_CONFIG, ["train.strategy=fsdp", "fsdp.cpu_offload=true"])
+    offload = config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp", "parallel.cpu_offload=true"])
     assert sharding.with_backend(offload, on_gpus).backend == "cpu:gloo,cuda:nccl"  # clipping's norm, the CPU step
-    for unchanged in (config.load(SMOKE_CONFIG, ["train.strategy=fsdp"]), config.load(SMOKE_CONFIG)):
+    for unchanged in (config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp"]), config.load(SMOKE_CONFIG)):
         assert sharding.with_backend(unchanged, on_gpus) == on_gpus

@@ -87,19 +87,19 @@ def schedule_factor(schedule: str, step: int) -> float:
 
 SCHEDULED = (
     "train.max_steps=20",
-    "train.warmup_fraction=0.1",
-    "train.min_lr_ratio=0.1",
-    "train.decay_fraction=0.25",
-    "train.milestones=[0.5, 0.75]",
-    "train.gamma=0.5",
-    "train.reference_batch_size=8",
+    "schedule.warmup_fraction=0.1",
+    "schedule.min_lr_ratio=0.1",
+    "schedule.decay_fraction=0.25",
+    "schedule.milestones=[0.5, 0.75]",
+    "schedule.gamma=0.5",
+    "optim.reference_batch_size=8",
 )
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd", "step"])
 def test_at_every_step_the_loop_uses_the_lr_of_its_schedule_from_the_batch_scaled_peak(train_here, schedule):
-    cfg = train_here(*SCHEDULED, "run.log_every=1", f"train.schedule={schedule}", "train.lr_scaling=linear")
-    peak = cfg.train.lr * 2 / 8  # the linear rule: global batch 2 against the reference 8
+    cfg = train_here(*SCHEDULED, "run.log_every=1", f"schedule.name={schedule}", "optim.lr_scaling=linear")
+    peak = cfg.optim.lr * 2 / 8  # the linear rule: global batch 2 against the reference 8
     lrs = logged(cfg, "lr")  # after step s: the learning rate of step s + 1
     assert lrs == pytest.approx([peak * schedule_factor(schedule, step) for step in range(1, 21)], rel=1e-9)
 
@@ -113,11 +113,11 @@ def test_the_loop_steps_the_named_optimizer_at_the_lr_its_rule_scales(train_here
     used = []
     record = register_optimizer_step_pre_hook(lambda optimizer, *_: used.append(optimizer))
     try:
-        cfg = train_here(*SCHEDULED, "train.max_steps=3", "train.schedule=constant", f"optim.name={name}")
+        cfg = train_here(*SCHEDULED, "train.max_steps=3", "schedule.name=constant", f"optim.name={name}")
     finally:
         record.remove()
-    assert {type(optimizer).__name__.lower() for optimizer in used} == {name}  # train.lr_scaling=auto:
-    assert used[-1].param_groups[0]["initial_lr"] == pytest.approx(cfg.train.lr * scale, rel=1e-9)  # its rule
+    assert {type(optimizer).__name__.lower() for optimizer in used} == {name}  # optim.lr_scaling=auto:
+    assert used[-1].param_groups[0]["initial_lr"] == pytest.approx(cfg.optim.lr * scale, rel=1e-9)  # its rule
 
 
 def test_with_accumulation_epochs_and_the_schedule_count_optimizer_steps(train_here, monkeypatch):
@@ -125,8 +125,8 @@ def test_with_accumulation_epochs_and_the_schedule_count_optimizer_steps(train_h
     cfg = train_here("train.grad_accum_steps=4", "train.epochs=2", "train.max_steps=null", "run.log_every=1")
     assert logged(cfg, "step") == [1, 2, 3, 4, 5, 6]
     assert logged(cfg, "epoch") == [0, 0, 0, 1, 1, 1]
-    peak = cfg.train.lr * math.sqrt(8 / cfg.train.reference_batch_size)  # global batch 2 x 4; adamw: sqrt rule
-    assert logged(cfg, "lr")[-1] == pytest.approx(peak * cfg.train.min_lr_ratio, rel=1e-6)  # the schedule's end
+    peak = cfg.optim.lr * math.sqrt(8 / cfg.optim.reference_batch_size)  # global batch 2 x 4; adamw: sqrt rule
+    assert logged(cfg, "lr")[-1] == pytest.approx(peak * cfg.schedule.min_lr_ratio, rel=1e-6)  # the schedule's end
 
 
 def test_every_optimizer_step_applies_gradients_clipped_to_grad_clip(train_here):
@@ -192,11 +192,11 @@ def test_an_optimizer_and_schedule_of_the_task_get_the_groups_the_unscaled_lr_an
     used = []
     record = register_optimizer_step_pre_hook(lambda optimizer, *_: used.append(type(optimizer)))
     try:
-        cfg = train_here(*SCHEDULED, "train.max_steps=4", "optim.name=task", "train.schedule=task", "run.log_every=1")
+        cfg = train_here(*SCHEDULED, "train.max_steps=4", "optim.name=task", "schedule.name=task", "run.log_every=1")
     finally:
         record.remove()
-    assert used == [torch.optim.RMSprop] * 4 and built == {"groups": [0.01, 0.0], "lr": cfg.train.lr, "total_steps": 4}
-    assert logged(cfg, "lr") == pytest.approx([cfg.train.lr * 0.5**step for step in range(1, 5)])  # auto: unscaled
+    assert used == [torch.optim.RMSprop] * 4 and built == {"groups": [0.01, 0.0], "lr": cfg.optim.lr, "total_steps": 4}
+    assert logged(cfg, "lr") == pytest.approx([cfg.optim.lr * 0.5**step for step in range(1, 5)])  # auto: unscaled
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_an_optimizer_and_schedule_of_the_task_get_the_groups_the_unscaled_lr_an
 def test_a_run_resumed_mid_schedule_is_bit_identical_for_every_optimizer_and_schedule(train_here, name, schedule):
     if not hasattr(torch.optim, "Adafactor") and name == "adafactor":
         pytest.skip(f"torch.optim.Adafactor needs torch>=2.5; this is {torch.__version__}")
-    overrides = (*SCHEDULED, f"optim.name={name}", f"train.schedule={schedule}", "train.max_steps=12")
+    overrides = (*SCHEDULED, f"optim.name={name}", f"schedule.name={schedule}", "train.max_steps=12")
     overrides += ("checkpoint.every_steps=5",)
     cfg = train_here(*overrides, "checkpoint.keep_last=5", "run.log_every=1")
     last = cfg.run_dir.checkpoint(12)

@@ -189,7 +189,7 @@ def refuse_nonfinite(broken: list[str], step: int) -> None:
     if broken:
         raise FloatingPointError(
             f"not writing the checkpoint of step {step}: {len(broken)} weights hold nan or inf "
-            f"(e.g. {broken[0]}); the last checkpoint is kept: lower train.lr or lengthen the warmup"
+            f"(e.g. {broken[0]}); the last checkpoint is kept: lower optim.lr or lengthen the warmup"
         )
 
 
@@ -199,7 +199,7 @@ def format_of(config: dict) -> str:
     chosen = config["checkpoint"]["format"]
     if chosen != "auto":
         return chosen
-    return "sharded" if config["train"]["strategy"] == "fsdp" else "full"
+    return "sharded" if config["parallel"]["strategy"] == "fsdp" else "full"
 
 
 def check(config: dict) -> None:
@@ -209,7 +209,7 @@ def check(config: dict) -> None:
     if config["checkpoint"]["async_save"] and format_of(config) != "sharded":
         raise ConfigError(
             "checkpoint.async_save: writes sharded checkpoints in the background; set checkpoint.format=sharded "
-            "(the default under train.strategy=fsdp) or checkpoint.async_save=false"
+            "(the default under parallel.strategy=fsdp) or checkpoint.async_save=false"
         )
 
 

@@ -226,7 +226,7 @@ def with_overrides(tree: dict, overrides: typing.Sequence[str] = ()) -> Config:
 def parse_override(item: str) -> tuple[str, object]:
     key, sep, raw = item.partition("=")
     if not sep or not key or "." not in key:
-        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.lr=3e-4")
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-4")
     try:
         return key.strip(), yaml.safe_load(raw)
     except yaml.YAMLError:
@@ -340,7 +340,7 @@ def save(cfg: Config, path: str | Path) -> None:
 
 HEADER = """\
 # Every setting of a run. Override any of them on the command line: section.key=value
-# (e.g. `scripts/train.sh train.lr=3e-4 run.name=lr3e-4`). The resolved config is saved
+# (e.g. `scripts/train.sh optim.lr=3e-4 run.name=lr3e-4`). The resolved config is saved
 # to runs/<name>/config.yaml and inside every checkpoint. The keys and comments come from
 # the dataclasses (config.py, model.py, data.py): after adding a setting there, run
 # `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`; values here are kept.

@@ -270,7 +270,7 @@ def barrier() -> None:
 
 def without_ddp(model: nn.Module) -> nn.Module:
     """The module DDP wraps (compiled, if it was): calling it runs no collective. A sharded model
-    (train.strategy=fsdp) is itself: its forward gathers parameters, so every rank must call it
+    (parallel.strategy=fsdp) is itself: its forward gathers parameters, so every rank must call it
     as often as the others (evaluation's padded sampler gives every rank the same batches)."""
     return model.module if isinstance(model, DDP) else model
 
@@ -283,7 +283,7 @@ def bare(model: nn.Module) -> nn.Module:
 
 
 def sharded(model: nn.Module) -> bool:
-    """Whether `model` is sharded over the ranks (train.strategy=fsdp): its parameters are DTensor
+    """Whether `model` is sharded over the ranks (parallel.strategy=fsdp): its parameters are DTensor
     shards, and its whole state exists only gathered (checkpoint.full_state)."""
     return hasattr(model, "set_requires_gradient_sync")  # what every fully_shard'ed module has
 

@@ -63,7 +63,7 @@ def keep_global_batch(cfg: Config, payload: dict, world_size: int) -> tuple[Conf
         now = batch * world_size * steps
         return cfg, (
             f"{resumed}: the global batch goes from {wanted} to {now} = batch {batch} x {world_size} x accum "
-            f"{steps} (checkpoint.allow_new_global_batch), the lr rescaled by train.lr_scaling"
+            f"{steps} (checkpoint.allow_new_global_batch), the lr rescaled by optim.lr_scaling"
         )
     fit = split(wanted, world_size, batch)
     if fit is None:  # the world size does not divide the global batch: no per-device batch can help
@@ -80,7 +80,7 @@ def keep_global_batch(cfg: Config, payload: dict, world_size: int) -> tuple[Conf
 
 
 def rescale_lr(state: TrainState, peak_lr: float) -> None:
-    """Make `peak_lr` (what this run's global batch scales train.lr to) the loaded schedule's peak:
+    """Make `peak_lr` (what this run's global batch scales optim.lr to) the loaded schedule's peak:
     the checkpoint's optimizer and schedule carry the peak of the global batch that wrote them.
     A task's own schedule is rescaled too: a chain's schedules (SequentialLR, ChainedScheduler)
     each, and the peak and floor OneCycleLR keeps in the optimizer's groups."""

@@ -25,13 +25,13 @@ if TYPE_CHECKING:
 def datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     """The (train, eval) datasets of a run: the task's build_datasets(cfg), or the pack that
     data.shards names, its records turned into samples by the task's from_records; the eval set
-    cut to its first train.eval_limit samples when set."""
+    cut to its first eval.limit samples when set."""
     if cfg.data.shards is None:
         train_set, eval_set = task.build_datasets(cfg)
     else:
         train_set, eval_set = shards.datasets(cfg, getattr(task, "from_records", None))
-    if cfg.train.eval_limit is not None and cfg.train.eval_limit < len(eval_set):
-        eval_set = Subset(eval_set, range(cfg.train.eval_limit))
+    if cfg.eval.limit is not None and cfg.eval.limit < len(eval_set):
+        eval_set = Subset(eval_set, range(cfg.eval.limit))
     return train_set, eval_set
 
 

@@ -1,7 +1,7 @@
 """Optimizer and learning-rate schedule, scaled for the global batch and stepped per optimizer step.
 
     optim.name: adamw | sgd | adafactor | task    task: task.build_optimizer(cfg, param_groups, lr)
-    train.schedule: cosine | linear | constant | wsd | step | task    task: task.build_scheduler(...)
+    schedule.name: cosine | linear | constant | wsd | step | task    task: task.build_scheduler(...)
 
 Every named schedule is linear warmup from ~0 to the batch-scaled lr, then one of: cosine decay
 to lr x min_lr_ratio; linear decay to it; constant; warmup-stable-decay (constant, then a linear
@@ -31,7 +31,7 @@ ADAM_FAMILY = ("adamw", "adafactor")  # adaptive steps: the square-root scaling 
 
 
 def scaling_rule(rule: str, optimizer: str) -> str:
-    """The LR scaling rule train.lr_scaling names; auto follows the optimizer: linear for SGD, the
+    """The LR scaling rule optim.lr_scaling names; auto follows the optimizer: linear for SGD, the
     square root for the Adam family (a linear jump is too aggressive for adaptive steps), none for
     an optimizer the task builds (its own lr is taken as it is)."""
     if rule != "auto":
@@ -65,7 +65,7 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Optimizer:
     """optim.name's optimizer over the parameter groups, at `lr` (already scaled)."""
-    groups, settings = parameter_groups(model, cfg.train.weight_decay), cfg.optim
+    groups, settings = parameter_groups(model, cfg.optim.weight_decay), cfg.optim
     if settings.name == "task":
         return task.build_optimizer(cfg, groups, lr)
     # one fused kernel for all parameters where torch has one: on CPU about 6x faster than the
@@ -81,8 +81,8 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Opt
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int, warmup_share: float
 ) -> LRScheduler:
-    """train.schedule's schedule, stepped once per optimizer step."""
-    if cfg.train.schedule == "task":
+    """schedule.name's schedule, stepped once per optimizer step."""
+    if cfg.schedule.name == "task":
         return task.build_scheduler(cfg, optimizer, total_steps)
     warmup = warmup_steps(total_steps, warmup_share)
     return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, warmup, cfg.train))
@@ -96,18 +96,18 @@ def lr_factor(step: int, total_steps: int, warmup: int, train: TrainConfig) -> f
     """The learning rate of optimizer step `step` + 1 as a share of the peak (the batch-scaled lr)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    floor, done = train.min_lr_ratio, (step - warmup) / max(1, total_steps - warmup)  # 0 -> 1 after warmup
-    if train.schedule == "cosine":
+    floor, done = schedule.min_lr_ratio, (step - warmup) / max(1, total_steps - warmup)  # 0 -> 1 after warmup
+    if schedule.name == "cosine":
         return floor + (1 - floor) * (1 + math.cos(math.pi * done)) / 2
-    if train.schedule == "linear":
+    if schedule.name == "linear":
         return 1 - (1 - floor) * done
-    if train.schedule == "wsd":
-        decay = max(1, round(total_steps * train.decay_fraction))
+    if schedule.name == "wsd":
+        decay = max(1, round(total_steps * schedule.decay_fraction))
         into_decay = (step - (total_steps - decay)) / decay
         return 1.0 if into_decay < 0 else 1 - (1 - floor) * into_decay
-    if train.schedule == "step":
-        passed = sum(step >= round(total_steps * share) for share in train.milestones)
-        return train.gamma**passed
+    if schedule.name == "step":
+        passed = sum(step >= round(total_steps * share) for share in schedule.milestones)
+        return schedule.gamma**passed
     return 1.0  # constant
 
 
@@ -117,8 +117,8 @@ def check(cfg: Config) -> None:
         raise ConfigError(
             f"optim.name: adafactor needs torch>=2.5 (this is {torch.__version__}); use adamw or sgd, or upgrade torch"
         )
-    for setting, function in (("optim.name", "build_optimizer"), ("train.schedule", "build_scheduler")):
-        chosen = cfg.optim.name if setting == "optim.name" else cfg.train.schedule
+    for setting, function in (("optim.name", "build_optimizer"), ("schedule.name", "build_scheduler")):
+        chosen = cfg.optim.name if setting == "optim.name" else cfg.schedule.name
         if chosen == "task" and not hasattr(task, function):
             raise ConfigError(
                 f"{setting}: task, but task.py has no {function}; define it (README: Bring your own model and "

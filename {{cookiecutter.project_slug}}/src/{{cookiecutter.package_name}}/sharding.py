@@ -1,4 +1,4 @@
-"""train.strategy=fsdp and activation checkpointing: the model split into units, each unit's
+"""parallel.strategy=fsdp and activation checkpointing: the model split into units, each unit's
 activations recomputed in backward when asked, then each unit sharded over the ranks (FSDP2's
 fully_shard), the root last: torchtitan's order, checkpointing -> compile -> shard.
 
@@ -40,30 +40,30 @@ def floor_problem(version: str = torch.__version__) -> str | None:
         return None
     floor = ".".join(map(str, FSDP_FLOOR))
     return (
-        f"train.strategy: fsdp needs torch>={floor} (this is {version}): pip install 'torch>={floor}', "
-        "or use train.strategy=ddp"
+        f"parallel.strategy: fsdp needs torch>={floor} (this is {version}): pip install 'torch>={floor}', "
+        "or use parallel.strategy=ddp"
     )
 
 
 def check(cfg: Config, device: torch.device) -> None:
     """Before any collective, on every rank: the strategy's settings can run here."""
-    if cfg.train.strategy == "fsdp" and floor_problem():
+    if cfg.parallel.strategy == "fsdp" and floor_problem():
         raise ConfigError(floor_problem())
-    if cfg.train.strategy == "fsdp" and cfg.train.precision == "fp16":
+    if cfg.parallel.strategy == "fsdp" and cfg.train.precision == "fp16":
         # GradScaler finds an overflow in this rank's shard only: ranks would skip different steps
         raise ConfigError(
-            "train.precision: fp16 under train.strategy=fsdp would let each rank skip its own overflowing "
-            "steps (GradScaler sees only its shard): use bf16 (or fp32), or train.strategy=ddp"
+            "train.precision: fp16 under parallel.strategy=fsdp would let each rank skip its own overflowing "
+            "steps (GradScaler sees only its shard): use bf16 (or fp32), or parallel.strategy=ddp"
         )
-    if cfg.train.strategy == "fsdp" and cfg.fsdp.cpu_offload and device.type != "cuda":
-        raise ConfigError("fsdp.cpu_offload: moves GPU state to CPU memory, and this run has no GPU: set it to false")
+    if cfg.parallel.strategy == "fsdp" and cfg.parallel.cpu_offload and device.type != "cuda":
+        raise ConfigError("parallel.cpu_offload: moves GPU state to CPU memory, and this run has no GPU: set it to false")
 
 
 def with_backend(cfg: Config, info: DistInfo) -> DistInfo:
-    """`info` with the process group's backend for this strategy: fsdp.cpu_offload keeps the
+    """`info` with the process group's backend for this strategy: parallel.cpu_offload keeps the
     sharded state in CPU memory, so the group needs gloo for CPU tensors beside nccl (clipping's
     norm, the optimizer's step)."""
-    if cfg.train.strategy == "fsdp" and cfg.fsdp.cpu_offload and info.backend == "nccl":
+    if cfg.parallel.strategy == "fsdp" and cfg.parallel.cpu_offload and info.backend == "nccl":
         return dataclasses.replace(info, backend="cpu:gloo,cuda:nccl")
     return info
 
@@ -145,8 +145,8 @@ def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo
     # gathered in low precision, gradients reduced in fp32; autocast still decides each op's precision
     mixed = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     options = {
-        "reshard_after_forward": cfg.fsdp.reshard_after_forward,
-        "offload_policy": CPUOffloadPolicy() if cfg.fsdp.cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": cfg.parallel.reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy() if cfg.parallel.cpu_offload else OffloadPolicy(),
     }
     # every BatchNorm a group of its own in fp32, in a unit or not: its buffers stay fp32, and
     # its kernel wants weights of their type
@@ -162,11 +162,11 @@ def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo
 
 def micro_batch(model: nn.Module, syncs: bool, cfg: Config, info: DistInfo):
     """The context of one micro-batch's backward: only the last one of an optimizer step reduces
-    gradients under DDP (no_sync before it), and under FSDP with fsdp.reduce_every_micro_batch off
+    gradients under DDP (no_sync before it), and under FSDP with parallel.reduce_every_micro_batch off
     (full gradients kept between micro-batches); with it on (the default) every micro-batch
     reduce-scatters, and gradients stay sharded between them."""
     if dist.sharded(model):
-        model.set_requires_gradient_sync(syncs or cfg.fsdp.reduce_every_micro_batch)
+        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)
         return nullcontext()
     return nullcontext() if syncs or not info.distributed else model.no_sync()
 
@@ -174,24 +174,24 @@ def micro_batch(model: nn.Module, syncs: bool, cfg: Config, info: DistInfo):
 def static_memory_bytes(model: nn.Module, chosen: list[nn.Module], cfg: Config, world_size: int) -> int:
     """Bytes per device for weights, gradients and optimizer state (state_bytes), before
     activations; under FSDP also the gathered parameters: the largest unit's twice (the next is
-    gathered ahead), or every unit's without fsdp.reshard_after_forward, in the precision they are
+    gathered ahead), or every unit's without parallel.reshard_after_forward, in the precision they are
     gathered in, and whole fp32 gradients between micro-batches without
-    fsdp.reduce_every_micro_batch. AMP under DDP keeps low-precision weight copies, budgeted at 4
+    parallel.reduce_every_micro_batch. AMP under DDP keeps low-precision weight copies, budgeted at 4
     bytes a parameter."""
     params = sum(p.numel() for p in model.parameters())
     low = cfg.train.precision in LOW_PRECISION
-    if cfg.train.strategy == "ddp" or world_size == 1:
+    if cfg.parallel.strategy == "ddp" or world_size == 1:
         return state_bytes(params, 1) + (4 * params if low else 0)
     sizes = [sum(p.numel() for p in unit.parameters()) for unit in chosen] or [params]
-    held = 2 * max(sizes) if cfg.fsdp.reshard_after_forward else sum(sizes)
-    whole_gradients = cfg.train.grad_accum_steps > 1 and not cfg.fsdp.reduce_every_micro_batch
+    held = 2 * max(sizes) if cfg.parallel.reshard_after_forward else sum(sizes)
+    whole_gradients = cfg.train.grad_accum_steps > 1 and not cfg.parallel.reduce_every_micro_batch
     return state_bytes(params, world_size) + held * (2 if low else 4) + (4 * params if whole_gradients else 0)
 
 
 def gathered(cfg: Config) -> str:
     """What the FSDP estimate adds to the 1/N share, in words."""
-    extra = "the largest unit gathered" if cfg.fsdp.reshard_after_forward else "every unit gathered"
-    if cfg.train.grad_accum_steps > 1 and not cfg.fsdp.reduce_every_micro_batch:
+    extra = "the largest unit gathered" if cfg.parallel.reshard_after_forward else "every unit gathered"
+    if cfg.train.grad_accum_steps > 1 and not cfg.parallel.reduce_every_micro_batch:
         extra += ", whole gradients between micro-batches"
     return extra
 

@@ -15,14 +15,14 @@ they call only these:
     MAIN_METRIC               -> (name, "max" or "min"): what the run summary ranks by
     throughput(cfg, model)    -> what a sample is worth in the log: units (tokens...) and FLOPs, for MFU
 
-and, optionally, an optimizer or schedule of your own (optim.name=task, train.schedule=task):
+and, optionally, an optimizer or schedule of your own (optim.name=task, schedule.name=task):
 
     build_optimizer(cfg, param_groups, lr) -> torch.optim.Optimizer over the parameter groups
                                  (norms and biases already without weight decay; lr already scaled)
     build_scheduler(cfg, optimizer, total_steps) -> an LRScheduler, stepped once per optimizer step
 
-and, optionally, for a model sharded over the ranks (train.strategy=fsdp) or recomputed in backward
-(train.activation_checkpointing):
+and, optionally, for a model sharded over the ranks (parallel.strategy=fsdp) or recomputed in backward
+(parallel.activation_checkpointing):
 
     shard_units(model)        -> the modules to shard and recompute one by one (a transformer's blocks);
                                  a module holding a tied weight stays out of them (the root keeps it);

@@ -57,7 +57,7 @@ def run_params(start: dict) -> dict:
 
 
 def flat(tree: dict, prefix: str = "") -> dict[str, str]:
-    """{"train": {"lr": 0.001}} -> {"train.lr": "0.001"}: MLflow's params are flat strings."""
+    """{"train": {"lr": 0.001}} -> {"optim.lr": "0.001"}: MLflow's params are flat strings."""
     items = {}
     for key, value in tree.items():
         if isinstance(value, dict):

@@ -1,8 +1,8 @@
-"""Train with DistributedDataParallel, or with the model sharded over the ranks (train.strategy=fsdp).
+"""Train with DistributedDataParallel, or with the model sharded over the ranks (parallel.strategy=fsdp).
 
     python -m {{ cookiecutter.package_name }}.train --config configs/default.yaml            # 1 process
     torchrun --standalone --nproc_per_node=8 -m {{ cookiecutter.package_name }}.train \\
-        --config configs/default.yaml train.lr=3e-4                          # 8 GPUs, one node
+        --config configs/default.yaml optim.lr=3e-4                          # 8 GPUs, one node
     torchrun --nnodes=2 --node_rank=$NODE_RANK --nproc_per_node=8 \\
         --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT \\
         -m {{ cookiecutter.package_name }}.train --config configs/default.yaml          # 2 nodes
@@ -64,7 +64,7 @@ class Outcome(enum.Enum):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/default.yaml", help="YAML file with the run's settings")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=3e-4 data.batch_size=64")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. optim.lr=3e-4 data.batch_size=64")
     return parser.parse_intermixed_args(argv)
 
 
@@ -114,7 +114,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     job = build(cfg, info)
     job.asked = asked
     if resumed:
-        peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # train.lr scaled to this run's global batch
+        peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # optim.lr scaled to this run's global batch
         checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg), asked)
         elastic.rescale_lr(job.state, peak_lr)
         del saved  # the whole state of a big model: not kept for the run's length
@@ -180,9 +180,9 @@ def build(cfg: Config, info: DistInfo) -> Job:
     global_batch = cfg.data.batch_size * info.world_size * cfg.train.grad_accum_steps
     steps_per_epoch = len(train_loader) // cfg.train.grad_accum_steps
     total_steps = min(cfg.train.epochs * steps_per_epoch, cfg.train.max_steps or float("inf"))
-    rule = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name)
-    lr = optim.scaled_lr(cfg.train.lr, global_batch, cfg.train.reference_batch_size, rule)
-    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, global_batch, cfg.train.reference_batch_size)
+    rule = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name)
+    lr = optim.scaled_lr(cfg.optim.lr, global_batch, cfg.optim.reference_batch_size, rule)
+    warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, global_batch, cfg.optim.reference_batch_size)
     optimizer = optim.build_optimizer(raw_model, cfg, lr)
     state = TrainState(
         optimizer=optimizer,
@@ -195,15 +195,15 @@ def build(cfg: Config, info: DistInfo) -> Job:
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
     """SyncBN -> device -> activation checkpointing -> compile -> DDP or FSDP, in that order."""
-    if cfg.train.sync_batchnorm and info.device.type == "cuda" and info.distributed:
+    if cfg.parallel.sync_batchnorm and info.device.type == "cuda" and info.distributed:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before DDP, or DDP syncs stale modules
-    elif cfg.train.sync_batchnorm and has_batchnorm(model):
+    elif cfg.parallel.sync_batchnorm and has_batchnorm(model):
         why = "a world of one has nothing to sync" if not info.distributed else "SyncBatchNorm needs CUDA"
-        dist.print0(info, f"note: train.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
+        dist.print0(info, f"note: parallel.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
     model.to(info.device)
-    sharded = cfg.train.strategy == "fsdp" and info.distributed
-    units = sharding.units(model) if sharded or cfg.train.activation_checkpointing != "none" else []
-    left_out = sharding.checkpoint_activations(units, cfg.train.activation_checkpointing)
+    sharded = cfg.parallel.strategy == "fsdp" and info.distributed
+    units = sharding.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []
+    left_out = sharding.checkpoint_activations(units, cfg.parallel.activation_checkpointing)
     if left_out:
         dist.print0(info, f"note: {len(left_out)} units hold BatchNorm and keep their activations (no recompute)")
     if cfg.train.compile:
@@ -221,10 +221,10 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
         model = DDP(
             model,
             device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-            bucket_cap_mb=cfg.dist.bucket_cap_mb,
-            find_unused_parameters=cfg.dist.find_unused_parameters,  # off: costs 10-20% a step
+            bucket_cap_mb=cfg.parallel.bucket_cap_mb,
+            find_unused_parameters=cfg.parallel.find_unused_parameters,  # off: costs 10-20% a step
             gradient_as_bucket_view=True,  # gradients live in the buckets: one copy fewer
-            static_graph=cfg.dist.static_graph,
+            static_graph=cfg.parallel.static_graph,
         )
     return model
 
@@ -244,7 +244,7 @@ def syncbn_compile_note(model: torch.nn.Module, compile_model: bool) -> str | No
     return (
         "note: train.compile with SyncBatchNorm: torch.compile breaks its graph at every SyncBatchNorm "
         "layer (pytorch#161302) and gains little; keep SyncBN for small per-device batches (< 8), "
-        "else set train.sync_batchnorm=false to get compile's speed"
+        "else set parallel.sync_batchnorm=false to get compile's speed"
     )
 
 
@@ -264,9 +264,9 @@ def training_log(job: Job, cfg: Config, info: DistInfo, trackers: tracking.Track
 
 
 def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemption.PreemptionFlag) -> Outcome:
-    """Epochs of training until total_steps or a preemption, evaluating as train.eval_every says."""
+    """Epochs of training until total_steps or a preemption, evaluating as eval.every says."""
     state = job.state
-    if cfg.train.eval_at_start and state.step == 0:
+    if cfg.eval.at_start and state.step == 0:
         run_evaluation(job, cfg, info, log)  # the baseline: the untrained model
     outcome = None
     try:
@@ -277,7 +277,7 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemptio
             # resume mid-epoch: after what the epoch read, on earlier world sizes too
             job.train_loader.sampler.resume_at(state.earlier_layouts, state.batch_in_epoch * cfg.data.batch_size)
             outcome = train_one_epoch(job, cfg, info, log, stop)
-            if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.train.eval_every is None):
+            if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.eval.every is None):
                 run_evaluation(job, cfg, info, log)
             if outcome is Outcome.EPOCH_END:
                 state.epoch, state.batch_in_epoch, state.earlier_layouts = state.epoch + 1, 0, []
@@ -331,14 +331,14 @@ class Due:
 
     log: bool  # end the log window: reduce it, write it, check its loss and the stop requests
     save: bool  # write a checkpoint; always at a log step, so a NaN loss stops the run before it
-    evaluate: bool  # train.eval_every
+    evaluate: bool  # eval.every
     last: bool  # the planned steps are done: fit evaluates, run saves the final checkpoint
 
     @classmethod
     def after(cls, step: int, cfg: Config, total_steps: int) -> Due:
         last = step >= total_steps
         save = step % cfg.checkpoint.every_steps == 0 and not last
-        evaluate = bool(cfg.train.eval_every) and step % cfg.train.eval_every == 0 and not last
+        evaluate = bool(cfg.eval.every) and step % cfg.eval.every == 0 and not last
         return cls(log=last or save or step % cfg.run.log_every == 0, save=save, evaluate=evaluate, last=last)
 
 
@@ -406,8 +406,8 @@ def check_finite(window: Window, cfg: Config) -> None:
         step = window.record["step"]
         where = f"at step {step}" if window.first_step == step else f"between steps {window.first_step} and {step}"
         raise FloatingPointError(
-            f"loss is nan or inf {where}: lower train.lr (now {cfg.train.lr}) or lengthen the "
-            f"warmup (train.warmup_fraction, now {cfg.train.warmup_fraction}); with fp16 try bf16; "
+            f"loss is nan or inf {where}: lower optim.lr (now {cfg.optim.lr}) or lengthen the "
+            f"warmup (schedule.warmup_fraction, now {cfg.schedule.warmup_fraction}); with fp16 try bf16; "
             f"the last checkpoint was written before it"
         )
 
@@ -448,7 +448,7 @@ def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
 def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
     params = sum(p.numel() for p in job.model.parameters())
     lr = job.state.optimizer.param_groups[0]["initial_lr"]  # the schedule's peak: the batch-scaled lr
-    warmup = optim.warmup_fraction(cfg.train.warmup_fraction, job.global_batch, cfg.train.reference_batch_size)
+    warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, job.global_batch, cfg.optim.reference_batch_size)
     dist.print0(
         info,
         f"world size {info.world_size} ({info.local_world_size} per node), backend {info.backend}, "
@@ -456,10 +456,10 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
         f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
         f"{lr_line(cfg, lr, job.global_batch)}\n"
-        f"{cfg.optim.name} optimizer, {cfg.train.schedule} schedule, warmup {warmup:.1%} of "
+        f"{cfg.optim.name} optimizer, {cfg.schedule.name} schedule, warmup {warmup:.1%} of "
         f"{planned_steps(cfg, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
-        f"{cfg.train.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}\n"
+        f"{cfg.parallel.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}\n"
         f"parameters {params:,}; {memory_line(cfg, info, job.model)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
@@ -471,14 +471,14 @@ def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resu
 
 def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
     """The peak lr and where it comes from: the rule that scaled it, and how to turn that off."""
-    rule, tuned = optim.scaling_rule(cfg.train.lr_scaling, cfg.optim.name), cfg.train.lr
-    reference = cfg.train.reference_batch_size
+    rule, tuned = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name), cfg.optim.lr
+    reference = cfg.optim.reference_batch_size
     if rule == "none" or global_batch == reference:
-        return f"lr {lr:.3g} (train.lr, tuned at batch {reference}; global batch {global_batch}: not scaled)"
-    why = f"train.lr_scaling=auto for {cfg.optim.name}" if cfg.train.lr_scaling == "auto" else "train.lr_scaling"
+        return f"lr {lr:.3g} (optim.lr, tuned at batch {reference}; global batch {global_batch}: not scaled)"
+    why = f"optim.lr_scaling=auto for {cfg.optim.name}" if cfg.optim.lr_scaling == "auto" else "optim.lr_scaling"
     return (
-        f"lr {lr:.3g}: train.lr {tuned:g} tuned at batch {reference}, scaled {rule} ({why}) to the global batch "
-        f"{global_batch}; train.lr_scaling=none keeps {tuned:g}"
+        f"lr {lr:.3g}: optim.lr {tuned:g} tuned at batch {reference}, scaled {rule} ({why}) to the global batch "
+        f"{global_batch}; optim.lr_scaling=none keeps {tuned:g}"
     )
 
 
@@ -493,10 +493,10 @@ def planned_steps(cfg: Config, total_steps: int) -> str:
 def memory_line(cfg: Config, info: DistInfo, model: nn.Module) -> str:
     """The static memory per device (weights, gradients, optimizer state) under the run's strategy."""
     bare = dist.bare(model)
-    units = sharding.units(bare) if cfg.train.strategy == "fsdp" else []
+    units = sharding.units(bare) if cfg.parallel.strategy == "fsdp" else []
     mib = sharding.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
     whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
-    if cfg.train.strategy == "ddp":
+    if cfg.parallel.strategy == "ddp":
         return f"strategy ddp: {whole}"
     if not info.distributed:
         return f"strategy fsdp in a world of one, nothing to shard: {whole}"

@@ -225,7 +225,7 @@ def scaling_report(results: dict, nproc: int) -> str:
     hint = (
         "raise data.num_workers or make loading cheaper"
         if data >= comm
-        else "raise per-device batch, grad_accum_steps or dist.bucket_cap_mb; check the interconnect"
+        else "raise per-device batch, grad_accum_steps or parallel.bucket_cap_mb; check the interconnect"
     )
     rows = [f"{'ms per step':<13}{'data wait':>10}{'fwd+bwd':>10}{'optimizer':>10}{'other':>10}{'step':>10}"]
     for n, label in ((1, "1 process"), (nproc, f"{nproc} processes")):
@@ -255,7 +255,7 @@ def memory_report(cfg: Config, model: torch.nn.Module, ranks: int, gpu_gb: float
     params = sum(p.numel() for p in model.parameters())
     lines = [f"{params:,} parameters, {len(units)} FSDP units; weights, gradients and optimizer state per device:"]
     for strategy in ("ddp", "fsdp"):
-        setting = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, strategy=strategy))
+        setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
         needed = sharding.static_memory_bytes(model, units, setting, ranks)
         fits = "yes" if needed <= gpu_gb * 1e9 else "no"
         size = f"{needed / 1e9:.2f} GB" if needed >= 1e8 else f"{needed / 1e6:.1f} MB"
@@ -289,11 +289,11 @@ def main(argv=None) -> int:
     if args.command == "unused":
         names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
         if not names:
-            print("every parameter gets a gradient: keep dist.find_unused_parameters=false")
+            print("every parameter gets a gradient: keep parallel.find_unused_parameters=false")
             return 0
         print(
             "parameters without a gradient after one step (freeze them with requires_grad_(False), "
-            "remove them, or set dist.find_unused_parameters=true at a 10-20% cost):"
+            "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
         )
         print("\n".join(f"  {name}" for name in names))
         return 1

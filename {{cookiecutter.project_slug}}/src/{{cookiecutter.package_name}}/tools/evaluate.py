@@ -63,7 +63,7 @@ def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: l
     workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     # as training wraps it (device, compile), less SyncBatchNorm: evaluation uses running statistics
-    model = train.wrap(model, replace(cfg, train=replace(cfg.train, sync_batchnorm=False)), info)
+    model = train.wrap(model, replace(cfg, parallel=replace(cfg.parallel, sync_batchnorm=False)), info)
     results = train.evaluate(model, eval_loader, cfg, info)
     record = {"step": payload["step"], "epoch": payload["epoch"], **results}
     dist.print0(info, metrics.evaluation_line(record))

@@ -26,8 +26,8 @@ from ..rundir import RunDir
 SETTINGS = (  # always shown; any other setting that differs between the runs compared is shown too
     "data.batch_size",
     "train.grad_accum_steps",
-    "train.lr",
-    "train.lr_scaling",
+    "optim.lr",
+    "optim.lr_scaling",
     "train.precision",
     "train.compile",
     "train.epochs",

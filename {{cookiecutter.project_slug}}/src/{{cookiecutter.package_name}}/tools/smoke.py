@@ -142,8 +142,8 @@ def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
 
 
 def check_sync_batchnorm(cfg, info: DistInfo, model) -> tuple[str, str]:
-    if not cfg.train.sync_batchnorm:
-        return SKIP, "train.sync_batchnorm is off"
+    if not cfg.parallel.sync_batchnorm:
+        return SKIP, "parallel.sync_batchnorm is off"
     if info.device.type != "cuda" or not info.distributed:
         return SKIP, "SyncBatchNorm needs CUDA and more than one process"
     if not train.has_batchnorm(model):
@@ -193,7 +193,7 @@ def _loss_trend(logged: list[dict]) -> tuple[str, str]:
 
 def _comm_check(counter: CommCounter, job: train.Job, info: DistInfo) -> tuple[str, str]:
     if dist.sharded(job.model):
-        return SKIP, "train.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
+        return SKIP, "parallel.strategy=fsdp gathers and reduce-scatters per unit; tests/dist_proofs.py proves its sums"
     if not isinstance(job.model, DDP):
         return SKIP, "a world of one has no gradient communication"
     expected = job.state.step + 1  # the gradient check made one all-reducing backward
@@ -233,8 +233,8 @@ SMOKE_RUN = [
     "train.max_steps=40",
     "run.log_every=5",
     "checkpoint.every_steps=20",
-    "train.eval_every=null",
-    "train.eval_limit=512",
+    "eval.every=null",
+    "eval.limit=512",
     "dist.timeout_minutes=5",
     "run.trackers=[]",
 ]

@@ -225,7 +225,7 @@ def test_under_fsdp_each_rank_holds_half_the_state_of_a_larger_model_as_estimate
 @needs_fsdp
 @pytest.mark.task
 def test_sample_reads_the_checkpoint_of_an_fsdp_run(tmp_path):
-    run = ("train.strategy=fsdp", "train.max_steps=10", "train.precision=fp32", "run.name=lm-fsdp")
+    run = ("parallel.strategy=fsdp", "train.max_steps=10", "train.precision=fp32", "run.name=lm-fsdp")
     torchrun(*train_args(tmp_path, *run), timeout=180)
     model, tokenizer = sample.load(tmp_path / "lm-fsdp", torch.device("cpu"))
     text = tokenizer.decode(sample.generate(model, tokenizer.encode("def "), 20, 0.8, 40))

@@ -5,7 +5,7 @@
 (DEFAULT, IMAGENET1K_V1, ...) the pretrained weights are downloaded once into the torch hub
 cache ($TORCH_HOME) and the last linear layer is replaced by one for the data's classes;
 without, the model starts from torchvision's own initialisation. BatchNorm layers become
-SyncBatchNorm in train.py when `train.sync_batchnorm` is on. On CUDA the weights are kept
+SyncBatchNorm in train.py when `parallel.sync_batchnorm` is on. On CUDA the weights are kept
 channels-last (NHWC), the layout tensor cores convolve fastest under AMP; task.py sends the
 images in the same layout.
 """

@@ -81,7 +81,7 @@ def throughput(cfg: Config, model: nn.Module) -> Throughput:
 
 
 def shard_units(model: nn.Module) -> list[nn.Module] | None:
-    """train.strategy=fsdp (and activation checkpointing): a ResNet's four stages are the units;
+    """parallel.strategy=fsdp (and activation checkpointing): a ResNet's four stages are the units;
     for another architecture None, the loop's default (the largest ModuleList's children, else
     the model's children)."""
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]

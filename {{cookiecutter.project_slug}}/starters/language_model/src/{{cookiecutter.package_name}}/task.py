@@ -79,7 +79,7 @@ def throughput(cfg: Config, model: nn.Module) -> Throughput:
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
-    """train.strategy=fsdp (and activation checkpointing): each transformer block is a unit; the
+    """parallel.strategy=fsdp (and activation checkpointing): each transformer block is a unit; the
     embeddings, the final norm and the head, which shares the token embedding's weight, stay
     together in the root's group."""
     return list(model.blocks)
