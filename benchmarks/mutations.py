@@ -3,11 +3,13 @@ with the smallest source change, and a test must fail.
 
     python benchmarks/mutations.py [--only NAME ...] [--list] [--check] [--keep DIR]
 
-Bakes the default project, checks that its fast tier passes as baked, then for each mutant:
-copies the project, applies the change (its text must occur exactly once), runs the fast tier
-(`python -m pytest`) and, where nothing failed there, the slow tests named for the mutant.
-Prints a table (mutant, the practice, the tests that failed, seconds) and the score; exits 1
-if a mutant survived. About 30 s a mutant on 2 CPU cores; not part of CI.
+Bakes the default project (and, for the mutants that name other answers, a project with those:
+parallel.strategy=fsdp for the FSDP settings, the image starter for its own data.py), checks that
+each one's fast tier passes as baked, then for each mutant: copies its project, applies the
+change (its text must occur exactly once), runs the fast tier (`python -m pytest`) and, where
+nothing failed there, the slow tests named for the mutant. Prints a table (mutant, the practice,
+the project, the tests that failed, seconds) and the score; exits 1 if a mutant survived. About
+30 s a mutant on 2 CPU cores; not part of CI.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
-from overhead import bake
+from overhead import TEMPLATE
 
 PACKAGE = Path("src") / "ddp_trainer"
+FSDP = (("strategy", "fsdp"),)  # a project whose runs shard: the FSDP proofs are its own
+IMAGE = (("task", "image_classification"),)
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,17 @@ class Mutant:
     old: str
     new: str
     slow: tuple[str, ...] = ()  # slow tests that catch it where the fast tier cannot
+    answers: tuple[tuple[str, str], ...] = ()  # the project's answers besides the defaults
 
     def changed(self, text: str) -> str:
         if text.count(self.old) != 1:
             raise SystemExit(f"{self.name}: the text to change occurs {text.count(self.old)} times in {self.path}")
-        return text.replace(self.old, self.new)
+        changed = text.replace(self.old, self.new)
+        try:  # a change that breaks the syntax (a line's indentation cut) would be "caught" by collection errors
+            compile(changed, str(self.path), "exec")
+        except SyntaxError as err:
+            raise SystemExit(f"{self.name}: the changed {self.path} does not compile ({err})") from None
+        return changed
 
     def apply(self, project: Path) -> None:
         source = project / self.path
@@ -51,9 +61,20 @@ def in_package(module: str) -> Path:
     return PACKAGE / f"{module}.py"
 
 
-TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS, SHARDED_CHECKPOINT = (
+TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS, SHARDED_CHECKPOINT, ELASTIC, DATA = (
     in_package(m)
-    for m in ("train", "loaders", "optim", "checkpoint", "dist", "sharding", "samplers", "sharded_checkpoint")
+    for m in (
+        "train",
+        "loaders",
+        "optim",
+        "checkpoint",
+        "dist",
+        "sharding",
+        "samplers",
+        "sharded_checkpoint",
+        "elastic",
+        "data",
+    )
 )
 ELASTIC_PROOF = (
     "tests/test_elastic.py::"
@@ -110,7 +131,7 @@ MUTANTS = [
         "set_epoch not called",
         "P7 set_epoch every epoch",
         TRAIN,
-        "        job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch\n",
+        "            job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch\n",
         "",
     ),
     Mutant(
@@ -319,8 +340,8 @@ MUTANTS = [
         "Adam moments left out of the memory estimate",
         "P28 memory accounting",
         SHARDING,
-        "    return 16 * params // shards",
-        "    return 8 * params // shards",
+        "            total += 4 * (2 * size + 1)",
+        "            total += 4",
     ),
     Mutant(
         "eval padding counted",
@@ -361,6 +382,7 @@ MUTANTS = [
         "        if unit not in norms:\n            fully_shard(unit, mp_policy=mixed, **options)",
         "        if unit not in norms and unit is not chosen[0]:\n"
         "            fully_shard(unit, mp_policy=mixed, **options)",
+        answers=FSDP,
     ),
     Mutant(
         "fsdp tied weights split over units",
@@ -368,6 +390,7 @@ MUTANTS = [
         SHARDING,
         "            if id(param) in inside and id(owner) not in members:",
         "            if False:",
+        answers=FSDP,
     ),
     Mutant(
         "fsdp clip over the local shard only",
@@ -379,6 +402,7 @@ MUTANTS = [
         "        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
         "        for g in grads:\n"
         "            g.mul_((cfg.train.grad_clip / (norm + 1e-6)).clamp(max=1.0))",
+        answers=FSDP,
     ),
     Mutant(
         "fsdp no gradient sync on the last micro-batch",
@@ -386,6 +410,7 @@ MUTANTS = [
         SHARDING,
         "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
         "        model.set_requires_gradient_sync(not syncs and cfg.parallel.reduce_every_micro_batch)",
+        answers=FSDP,
     ),
     Mutant(
         "fsdp optimizer built before sharding",
@@ -393,6 +418,189 @@ MUTANTS = [
         TRAIN,
         WRAP + BUILD_UP_TO_THE_OPTIMIZER,
         BUILD_UP_TO_THE_OPTIMIZER + WRAP,  # the optimizer holds the parameters fully_shard replaces
+        answers=FSDP,
+    ),
+    Mutant(
+        "parallel.reshard_after_forward ignored",
+        "parallel.reshard_after_forward: what stays gathered after forward",
+        SHARDING,
+        '        "reshard_after_forward": cfg.parallel.reshard_after_forward,',
+        '        "reshard_after_forward": True,',
+        answers=FSDP,
+    ),
+    Mutant(
+        "parallel.reduce_every_micro_batch ignored",
+        "parallel.reduce_every_micro_batch: sharded or whole gradients between micro-batches",
+        SHARDING,
+        "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(True)",
+        answers=FSDP,
+    ),
+    Mutant(
+        "fsdp settings not checked before the run",
+        "parallel.cpu_offload and fp16 refused before any collective",
+        TRAIN,
+        "        sharding.check(cfg, info.device)\n",
+        "",
+    ),
+    Mutant(
+        "cpu_offload without gloo beside nccl",
+        "parallel.cpu_offload: the process group runs gloo for the CPU state",
+        SHARDING,
+        '    if cfg.parallel.strategy == "fsdp" and cfg.parallel.cpu_offload and info.backend == "nccl":',
+        "    if False:",
+    ),
+    # the practices of the elastic restarts, async checkpoints, activation checkpointing and loader workers
+    Mutant(
+        "a split that ignores divisibility",
+        "resume on another world size: the global batch exact whatever data.batch_size",
+        ELASTIC,
+        "        if per_rank % steps == 0 and per_rank // steps <= largest_batch:",
+        "        if per_rank // steps <= largest_batch:",
+    ),
+    Mutant(
+        "the lr not rescaled to a new global batch",
+        "checkpoint.allow_new_global_batch: the peak lr by the scaling rule",
+        TRAIN,
+        "        elastic.rescale_lr(job.state, peak_lr)\n",
+        "",
+    ),
+    Mutant(
+        "epoch position counted in optimizer steps",
+        "mid-epoch resume with accumulation: the position in micro-batches",
+        TRAIN,
+        "        state.batch_in_epoch += accum",
+        "        state.batch_in_epoch += 1",
+    ),
+    Mutant(
+        "no wait for the write in flight before a new save",
+        "a failed background write never reported as success; one write in flight",
+        CHECKPOINT,
+        "    sharded_checkpoint.WRITES.wait()  # the previous one first: one write in flight, and its failure",
+        "    pass  # the previous one first: one write in flight, and its failure",
+    ),
+    Mutant(
+        "a failed background write published",
+        "a failed background write is never published",
+        SHARDED_CHECKPOINT,
+        "                done.result()\n                finish()",
+        "                finish()\n                done.result()",
+    ),
+    Mutant(
+        "checkpoint.async_save ignored",
+        "checkpoint.async_save: the write goes on behind the loop",
+        CHECKPOINT,
+        '    background, timeout = config["checkpoint"]["async_save"] and not final, config["dist"]["timeout_minutes"]',
+        '    background, timeout = False, config["dist"]["timeout_minutes"]',
+    ),
+    Mutant(
+        "checkpoint.format auto always full",
+        "checkpoint.format=auto: sharded under fsdp",
+        CHECKPOINT,
+        '    if format_of(config) == "sharded":',
+        '    if config["checkpoint"]["format"] == "sharded":',
+    ),
+    Mutant(
+        "checkpoint settings not checked before the run",
+        "checkpoint.async_save with full checkpoints refused before any collective",
+        TRAIN,
+        "        checkpoint.check(config.to_dict(cfg))\n",
+        "",
+    ),
+    Mutant(
+        "recompute draws new dropout masks",
+        "activation checkpointing recomputes exactly, dropout included",
+        SHARDING,
+        "        chosen[index].forward = partial(checkpoint, chosen[index].forward, use_reentrant=False)",
+        "        chosen[index].forward = partial(\n"
+        "            checkpoint, chosen[index].forward, use_reentrant=False, preserve_rng_state=False\n"
+        "        )",
+    ),
+    Mutant(
+        "activation checkpointing ignored under ddp",
+        "parallel.activation_checkpointing applies under ddp as under fsdp",
+        TRAIN,
+        '    units = sharding.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []',
+        "    units = sharding.units(model) if sharded else []",
+    ),
+    Mutant(
+        "the dataset's epoch never set",
+        "per-epoch augmentation reaches the loader workers",
+        TRAIN,
+        "                job.train_loader.dataset.set_epoch(state.epoch)\n",
+        "                pass\n",
+    ),
+    Mutant(
+        "the starter's epoch not in shared memory",
+        "per-epoch augmentation reaches persistent workers started by fork",
+        DATA,
+        "torch.zeros((), dtype=torch.int64).share_memory_()",
+        "torch.zeros((), dtype=torch.int64)",
+        answers=IMAGE,
+    ),
+    Mutant(
+        "a restart on the same world size drops the split",
+        "an elastic restart keeps the global batch the split kept",
+        ELASTIC,
+        "    if saved_world == world_size and (batch, steps) != given_split(payload):",
+        "    if saved_world == world_size:",
+    ),
+    Mutant(
+        "the resume note compares the split that ran",
+        "the resume note lists only the settings the user changed",
+        CHECKPOINT,
+        "    changes = changed_settings(settings_given(payload), config if asked is None else asked)",
+        '    changes = changed_settings(payload["config"], config if asked is None else asked)',
+    ),
+    # the optimizer's and schedule's settings at their call sites
+    Mutant(
+        "schedule.min_lr_ratio ignored",
+        "schedule.min_lr_ratio: the floor the decay ends at",
+        OPTIM,
+        "    floor, done = schedule.min_lr_ratio, ",
+        "    floor, done = 0.1, ",
+    ),
+    Mutant(
+        "schedule.milestones ignored",
+        "schedule.milestones: where the step schedule drops",
+        OPTIM,
+        "        passed = sum(step >= round(total_steps * share) for share in schedule.milestones)",
+        "        passed = sum(step >= round(total_steps * share) for share in (0.5, 0.75))",
+    ),
+    Mutant(
+        "optim.betas ignored",
+        "optim.betas: AdamW's decay rates",
+        OPTIM,
+        "        return torch.optim.AdamW(groups, lr=lr, betas=tuple(settings.betas), fused=fused)",
+        "        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=fused)",
+    ),
+    Mutant(
+        "optim.nesterov ignored",
+        "optim.nesterov: SGD's Nesterov momentum",
+        OPTIM,
+        "momentum=settings.momentum, nesterov=settings.nesterov, fused=fused)",
+        "momentum=settings.momentum, nesterov=False, fused=fused)",
+    ),
+    Mutant(
+        "optim.momentum ignored",
+        "optim.momentum: SGD's momentum",
+        OPTIM,
+        "momentum=settings.momentum, nesterov=settings.nesterov, fused=fused)",
+        "momentum=0.9, nesterov=settings.nesterov, fused=fused)",
+    ),
+    Mutant(
+        "optim.weight_decay ignored",
+        "optim.weight_decay: the decay of the matrices",
+        OPTIM,
+        "    groups, settings = parameter_groups(model, cfg.optim.weight_decay), cfg.optim",
+        "    groups, settings = parameter_groups(model, 0.01), cfg.optim",
+    ),
+    Mutant(
+        "data.prefetch_factor ignored",
+        "P9 prefetch_factor when workers > 0",
+        LOADERS,
+        "        prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,",
+        "        prefetch_factor=2 if num_workers > 0 else None,",
     ),
 ]
 
@@ -448,12 +656,24 @@ def caught_by(failed: list[str]) -> str:
     return "; ".join(specific[:2]) + (f" (+{more} more)" if more else "")
 
 
+def project(answers: tuple[tuple[str, str], ...]) -> str:
+    """The project a mutant's change is made in, in words: its answers besides the defaults."""
+    return ", ".join(f"{key}={value}" for key, value in answers) or "defaults"
+
+
+def bake_with(out: Path, answers: tuple[tuple[str, str], ...]) -> Path:
+    from cookiecutter.main import cookiecutter
+
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(out), extra_context=dict(answers)))
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| mutant | practice | caught by | tier | s |", "|---|---|---|---|---|"]
+    lines = ["| mutant | practice | project | caught by | tier | s |", "|---|---|---|---|---|---|"]
     for row in rows:
         mutant = row["mutant"]
-        caught = caught_by(row["failed"])
-        lines.append(f"| {mutant.name} | {mutant.practice} | {caught} | {row['tier']} | {row['seconds']:.0f} |")
+        caught, where = caught_by(row["failed"]), project(mutant.answers)
+        cells = [mutant.name, mutant.practice, where, caught, row["tier"], f"{row['seconds']:.0f}"]
+        lines.append(f"| {' | '.join(cells)} |")
     caught = sum(bool(row["failed"]) for row in rows)
     return "\n".join([*lines, "", f"score: {caught}/{len(rows)} mutants caught"])
 
@@ -481,19 +701,21 @@ def main(argv=None) -> int:
 
 
 def score(chosen: list[Mutant], work: Path, check_only: bool) -> int:
-    baked = bake(work / "baked")
+    answers = list(dict.fromkeys(mutant.answers for mutant in chosen))  # the projects, defaults first
+    baked = {each: bake_with(work / f"baked-{index}", each) for index, each in enumerate(answers)}
     for mutant in chosen:  # every change still applies to the code as baked, before minutes of tests
-        mutant.changed((baked / mutant.path).read_text())
+        mutant.changed((baked[mutant.answers] / mutant.path).read_text())
     if check_only:
-        print(f"all {len(chosen)} mutants apply to the baked project")
+        print(f"all {len(chosen)} mutants apply to the baked projects ({'; '.join(map(project, answers))})")
         return 0
-    code, failed = run_tests(baked, [], work / "baseline.xml")
-    if code != 0:
-        print(f"the fast tier fails before any mutation: {failed}", file=sys.stderr)
-        return 2
+    for each, path in baked.items():
+        code, failed = run_tests(path, [], work / f"baseline-{path.parent.name}.xml")
+        if code != 0:
+            print(f"the fast tier of {project(each)} fails before any mutation: {failed}", file=sys.stderr)
+            return 2
     rows = []
     for mutant in chosen:
-        rows.append(try_mutant(mutant, baked, work))
+        rows.append(try_mutant(mutant, baked[mutant.answers], work))
         row = rows[-1]
         print(f"{mutant.name}: {caught_by(row['failed'])} ({row['seconds']:.0f} s)", flush=True)
     print(table(rows))

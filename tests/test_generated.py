@@ -41,11 +41,15 @@ FSDP_ELSEWHERE = "fsdp_proofs_hold_on_three_ranks or smoke_check_passes_under_fs
 # and reaches its ddp run's evaluation
 SHARED = "eval_counts_each_sample or resume_mid_epoch"
 # and of the fast tier, the loop's wiring of each schedule, named optimizer and their resume, the
-# NaN stop and the setting aside of an abandoned attempt's checkpoints (test_wiring.py): train.py's
-# calls, the same whatever the model; the task's own optimizer, schedule and randomness on resume stay
+# NaN stop and the setting aside of an abandoned attempt's checkpoints (test_wiring.py), the resumes
+# with accumulation and on another world size (test_resume.py) and a failed background write:
+# train.py's calls, the same whatever the model; the task's own optimizer, schedule and randomness on
+# resume stay
 LOOP_WIRING = (
     "uses_the_lr_of_its_schedule or steps_the_named_optimizer or resumed_mid_schedule"
     " or nan_loss_stops_the_run or sets_the_later_ones_aside"
+    " or with_accumulation_killed_mid_epoch or rest_of_its_epoch_once or runs_20_samples_a_step"
+    " or moves_the_peak_lr or never_listed_as_a_change or background_write_that_fails_stops_the_run"
 )
 IMAGE_TESTS = [
     "--task",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import json
 import sys
 import threading
@@ -39,6 +40,7 @@ from {{ cookiecutter.package_name }} import (  # noqa: E402
     optim,
     preemption,
     records,
+    sharded_checkpoint,
     sharding,
     task,
     train,
@@ -276,6 +278,8 @@ def prove_sharded(out: Path, overrides: list[str], info: DistInfo) -> dict:
         "accumulation": prove_ddp_equals_big_batch(out / "fsdp", sharded, info, accum=4, steps=2),
         "accumulation_whole": prove_ddp_equals_big_batch(out / "fsdp-whole", whole_gradients, info, accum=4, steps=2),
         "sharding": prove_sharding(overrides, info),
+        "recompute": prove_recompute_with_dropout(info, "fsdp"),
+        "settings": prove_fsdp_settings(out / "fsdp-settings", overrides, info),
     }
 
 
@@ -531,6 +535,115 @@ def prove_resume(out: Path, overrides: list[str], info: DistInfo, path: Path) ->
     return {"differ": differ, "names": len(weights), "strategy": cfg.parallel.strategy, "world_size": info.world_size}
 
 
+# ---- Activation checkpointing with dropout, and the fsdp settings' effects --------------------
+# Results in the JSON only (no verdict row): test_distributed.py asserts on them.
+
+
+class DropoutBlocks(torch.nn.Module):
+    """A stand-in with active dropout inside its units (none of the shipped models has any at the
+    test sizes): residual blocks in a ModuleList, which sharding.default_units takes as its units."""
+
+    def __init__(self, width: int = 16, blocks: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Dropout(0.5), torch.nn.GELU())
+            for _ in range(blocks)
+        )
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            inputs = inputs + block(inputs)
+        return self.head(inputs)
+
+
+def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
+    """The stand-in's reduced gradients with parallel.activation_checkpointing full and selective, and
+    with none under other dropout masks, against none's: the largest differences. It is wrapped as
+    train.wrap wraps a model for `strategy` (checkpointing, then DDP or fully_shard), with its own
+    units: a foreign model never reaches the task's shard_units."""
+    cfg = config.load(SMOKE, ["train.precision=fp32", f"parallel.strategy={strategy}"])
+    inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(info.rank))  # each rank its batch
+
+    def gradients(mode: str, dropout_seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = DropoutBlocks()
+        units = sharding.default_units(model)
+        sharding.checkpoint_activations(units, mode)
+        model = sharding.shard(model, units, cfg, info) if strategy == "fsdp" else DDP(model)
+        torch.manual_seed(dropout_seed)  # the same masks on every rank, each on its own batch
+        model(inputs).square().sum().backward()
+        return [whole(p.grad) for p in model.parameters()]
+
+    plain = gradients("none", 7)
+
+    def difference(grads: list[torch.Tensor]) -> float:
+        return max((a - b).abs().max().item() for a, b in zip(grads, plain, strict=True))
+
+    return {
+        "other_masks": difference(gradients("none", 8)),
+        "full": difference(gradients("full", 7)),
+        "selective": difference(gradients("selective", 7)),
+    }
+
+
+def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict:
+    """What parallel.reshard_after_forward and parallel.reduce_every_micro_batch do to the task's model as
+    train.wrap shards it: after the forward pass of a micro-batch that is not an optimizer step's
+    last, whether the units' parameters are still gathered (plain tensors, not shards); after its
+    backward, whether gradients were reduce-scattered (a parameter has one)."""
+    results = {}
+    for reshard in (True, False):
+        for every in (True, False):
+            settings = [f"parallel.reshard_after_forward={reshard}", f"parallel.reduce_every_micro_batch={every}"]
+            cfg = exact_config(out, [*SHARDED, *overrides], *settings, "train.grad_accum_steps=2")
+            model = train.wrap(task.build_model(cfg), cfg, info)
+            train_loader, _ = loaders.build_loaders(*loaders.datasets(cfg), cfg, info, 0)
+            batch = task.to_device(next(iter(train_loader)), info.device)
+            with sharding.micro_batch(model, False, cfg, info):
+                loss = task.loss_sum(model, batch)
+                units = sharding.units(dist.bare(model))
+                gathered = all(not hasattr(p, "full_tensor") for unit in units for p in unit.parameters())
+                loss.backward()
+            reduced = all(p.grad is not None for p in model.parameters())
+            results[f"reshard={reshard},every={every}"] = {"gathered_after_forward": gathered, "reduced": reduced}
+    return results
+
+
+def prove_failed_background_write(out: Path, overrides: list[str], info: DistInfo) -> dict:
+    """Rank 1's background write of a sharded checkpoint meets a full disk (DCP's file storage
+    raises there, on that rank only); the next save must raise on every rank, nothing published:
+    what each rank raised, and the checkpoints on disk."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    sharded = ("checkpoint.format=sharded", "checkpoint.async_save=true")
+    cfg = exact_config(out, overrides, "run.name=failed-write", *sharded)
+    job = train.build(cfg, info)
+    create_stream = FileSystem.create_stream
+
+    @contextmanager
+    def full_disk(self, path, mode):
+        if info.rank == 1 and "w" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        with create_stream(self, path, mode) as stream:
+            yield stream
+
+    FileSystem.create_stream = full_disk
+    raised = ""
+    try:
+        job.state.step = 1
+        train.save_checkpoint(job, cfg, info)  # in the background: returns before the write ends
+        job.state.step = 2
+        train.save_checkpoint(job, cfg, info)  # waits for the first, which failed on rank 1
+    except RuntimeError as err:
+        raised = str(err)
+    finally:
+        FileSystem.create_stream = create_stream
+        sharded_checkpoint.WRITES.close(cfg.dist.timeout_minutes)
+    published = [path.name for path in cfg.run_dir.saved_checkpoints()]
+    return {"raised": dist.all_gather_objects(raised), "published": published}
+
+
 def prove(args: argparse.Namespace, info: DistInfo) -> int:
     if args.resume is not None:
         result = prove_resume(args.out, args.overrides, info, args.resume)
@@ -555,6 +668,8 @@ def prove(args: argparse.Namespace, info: DistInfo) -> int:
             "unequal_lengths": prove_unequal_lengths_stop_the_build(args.out, args.overrides, info),
             "epochs": prove_epochs_reshuffle(args.out, args.overrides, info),
             "wrapping": prove_wrapping(args.overrides, info),
+            "recompute": prove_recompute_with_dropout(info, "ddp"),
+            "failed_write": prove_failed_background_write(args.out, args.overrides, info),
         }
     rows = verdicts(results)
     if info.is_main:

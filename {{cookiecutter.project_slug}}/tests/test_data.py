@@ -7,7 +7,8 @@ import torch
 from conftest import SMOKE_CONFIG
 from torch.utils.data import Dataset, DistributedSampler, Subset
 
-from {{ cookiecutter.package_name }} import config, cpus, loaders, preflight, samples, task
+from {{ cookiecutter.package_name }} import config, cpus, loaders, preflight, samples, task, train
+from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import build_model
 
@@ -44,8 +45,8 @@ def test_samplers_and_loader_settings():
     assert isinstance(evaluation.sampler, DistributedSampler) and not evaluation.sampler.shuffle
     assert train.drop_last and not evaluation.drop_last  # drop_last on sampler and loader
     assert not train.pin_memory  # CPU: nothing to pin
-    train, _ = build(0, 2, workers=2)
-    assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 2
+    train, _ = build(0, 2, "data.prefetch_factor=3", workers=2)  # not the default 2
+    assert train.num_workers == 2 and train.persistent_workers and train.prefetch_factor == 3
 
 
 @pytest.mark.parametrize(
@@ -109,6 +110,55 @@ def test_forkserver_workers_load_the_batches_forked_workers_load():
     assert len(batches["fork"]) == len(batches["forkserver"])
     for forked, served in zip(batches["fork"], batches["forkserver"], strict=True):
         torch.testing.assert_close(forked, served, rtol=0, atol=0)
+
+
+class EpochAugmented(Dataset):
+    """A training set augmented per epoch, as the image starter's is: sample i of epoch e is [i, e].
+    It keeps the epoch in shared memory, where set_epoch reaches loader workers already started."""
+
+    def __init__(self, size: int):
+        self.size, self.epoch = size, torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index, int(self.epoch)])
+
+
+def persistent_loader(start: str):
+    cfg = config.load(SMOKE_CONFIG, [f"data.worker_start={start}", "data.batch_size=4"])
+    train_loader, _ = loaders.build_loaders(EpochAugmented(32), EpochAugmented(4), cfg, info(0, 1, 1), num_workers=1)
+    assert train_loader.persistent_workers
+    return cfg, train_loader
+
+
+@pytest.mark.parametrize(
+    "start",
+    ["fork", pytest.param("forkserver", marks=pytest.mark.slow), pytest.param("spawn", marks=pytest.mark.slow)],
+)
+def test_a_persistent_workers_batch_in_epoch_1_is_a_fresh_loaders_epoch_1_batch(start, monkeypatch):
+    # the loop's own epochs (train.fit), each reading one batch; the workers start in epoch 0 and
+    # live on: set_epoch must reach them, whatever started them (fork: the default on Python 3.12+)
+    cfg, loader = persistent_loader(start)
+    first_batches = []
+
+    def one_batch(job, cfg, info, log, stop):
+        first_batches.append(next(iter(job.train_loader)))
+        job.state.step += 1
+        return train.Outcome.EPOCH_END
+
+    monkeypatch.setattr(train, "train_one_epoch", one_batch)
+    monkeypatch.setattr(train, "run_evaluation", lambda *args: None)
+    job = train.Job(None, TrainState(None, None, None), loader, None, 2, 4, None, None, [])
+    train.fit(job, cfg, info(0, 1, 1), log=None, stop=None)
+    _, fresh = persistent_loader("fork")  # started in epoch 1: the reference, whatever starts the workers
+    fresh.sampler.set_epoch(1)
+    fresh.dataset.set_epoch(1)
+    assert first_batches[0][:, 1].tolist() == [0] * 4 and torch.equal(first_batches[1], next(iter(fresh)))
 
 
 def test_cuda_loaders_pin_memory_for_non_blocking_copies():

@@ -258,3 +258,35 @@ def test_fsdp_holds_half_of_ddps_state_on_two_ranks_as_estimated(sharded):
 def test_fsdp_proofs_hold_on_three_ranks_with_uneven_shards(tmp_path):
     result = torchrun(PROOFS, str(tmp_path), "--only", "fsdp", nproc=3, timeout=240, check=False)
     assert "fsdp proofs on 3 ranks: PASS" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# ---- Activation checkpointing with dropout, and the fsdp settings' effects (dist_proofs.py) ----
+
+
+def test_recomputed_units_with_dropout_give_the_gradients_of_no_recompute_under_ddp_on_two_ranks(proofs):
+    result = proofs["recompute"]
+    assert result["other_masks"] > 1e-3  # dropout is on: other masks, other gradients
+    assert result["full"] == 0 and result["selective"] == 0  # the recompute replays the forward's masks
+
+
+def test_a_background_write_that_fails_on_one_rank_stops_every_rank_at_the_next_save(proofs):
+    result = proofs["failed_write"]
+    for raised in result["raised"]:  # rank 1's disk was full; rank 0 stops too, with the same line
+        assert raised.startswith("the background write of checkpoint step_00000001 failed (on rank 1: OSError: ")
+    assert result["published"] == []
+
+
+@needs_fsdp
+@pytest.mark.fsdp  # rides on the sharded launch, which runs where the tests marked fsdp run
+def test_recomputed_units_with_dropout_give_the_gradients_of_no_recompute_under_fsdp_on_two_ranks(sharded):
+    result = sharded["recompute"]
+    assert result["other_masks"] > 1e-3
+    assert result["full"] == 0 and result["selective"] == 0
+
+
+@needs_fsdp
+@pytest.mark.fsdp  # rides on the sharded launch, which runs where the tests marked fsdp run
+def test_fsdp_settings_decide_what_is_gathered_after_forward_and_what_is_reduced_each_micro_batch(sharded):
+    for setting, seen in sharded["settings"].items():
+        reshard, every = (part.split("=")[1] == "True" for part in setting.split(","))
+        assert seen == {"gathered_after_forward": not reshard, "reduced": every}, setting

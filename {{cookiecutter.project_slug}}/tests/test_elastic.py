@@ -1,6 +1,7 @@
 """Resume on another world size: the rest of the epoch read exactly once, in the uninterrupted
 run's global batches, and the checkpoint's global batch kept (elastic.py, samplers.py)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -85,6 +86,27 @@ def test_another_world_size_keeps_the_global_batch_with_the_largest_batch_that_f
     ranks = f"{world} rank{'s' if world > 1 else ''}"
     split = f"batch {batch} x {world} x accum {accum}"
     assert line == f"resumed on {ranks} from a 2-rank checkpoint: {split} keeps the global batch 24"
+
+
+@pytest.mark.parametrize("saved_world, saved_batch, saved_accum", [(2, 10, 1), (4, 6, 2), (3, 7, 1), (1, 12, 3)])
+def test_the_global_batch_on_a_new_world_size_is_exact_whatever_data_batch_size_or_one_line_refuses(
+    saved_world, saved_batch, saved_accum
+):
+    wanted, loaded = saved_world * saved_batch * saved_accum, config.load(SMOKE_CONFIG)
+    for world in range(1, 9):
+        for largest in range(1, 25):
+            cfg = dataclasses.replace(loaded, data=dataclasses.replace(loaded.data, batch_size=largest))
+            saved = checkpoint_of(saved_world, saved_batch, saved_accum)
+            if world == saved_world or wanted % world:  # the same world: as given; no split: one line
+                if wanted % world:
+                    with pytest.raises(ConfigError, match=f"does not split over {world} ranks: resume on 1, "):
+                        elastic.keep_global_batch(cfg, saved, world)
+                continue
+            resized, _ = elastic.keep_global_batch(cfg, saved, world)
+            batch, accum = resized.data.batch_size, resized.train.grad_accum_steps
+            assert batch * world * accum == wanted, (world, largest, batch, accum)  # never 18 or 16 for 20
+            fitting = [b for b in range(1, largest + 1) if (wanted // world) % b == 0]
+            assert batch == max(fitting), (world, largest, batch)  # the largest that fits: fewest micro-batches
 
 
 def test_the_same_world_size_changes_nothing():

@@ -32,25 +32,34 @@ def test_warmup_share_grows_with_the_batch(batch, share):
     assert optim.warmup_fraction(0.2, batch, 32) == 0.2
 
 
-def expected_factor(schedule: str, step: int, total: int, warmup: int) -> float:
-    """The lr of step `step` + 1 over the peak, as each schedule is defined (floor 0.1; wsd decays
-    over the last 20%; step: x0.1 at 50% and 75% of the steps)."""
+def expected_factor(schedule: str, step: int, total: int, warmup: int, shape: dict) -> float:
+    """The lr of step `step` + 1 over the peak, as each schedule is defined with `shape`'s floor,
+    wsd's decay share and step's milestones (shares of the steps) and gamma."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    done = (step - warmup) / (total - warmup)
+    done, floor = (step - warmup) / (total - warmup), shape["min_lr_ratio"]
+    decay = round(shape["decay_fraction"] * total)
     return {
-        "cosine": 0.1 + 0.9 * (1 + math.cos(math.pi * done)) / 2,
-        "linear": 1 - 0.9 * done,
+        "cosine": floor + (1 - floor) * (1 + math.cos(math.pi * done)) / 2,
+        "linear": 1 - (1 - floor) * done,
         "constant": 1.0,
-        "wsd": 1.0 if step < total - 20 else 1 - 0.9 * (step - (total - 20)) / 20,
-        "step": 1.0 if step < 50 else 0.1 if step < 75 else 0.01,
+        "wsd": 1.0 if step < total - decay else 1 - (1 - floor) * (step - (total - decay)) / decay,
+        "step": shape["gamma"] ** sum(step >= round(share * total) for share in shape["milestones"]),
     }[schedule]
 
 
+# the defaults (floor 0.1, wsd's last 20%, step's x0.1 at 50% and 75%), then other values of each
+SHAPES = [
+    {"min_lr_ratio": 0.1, "decay_fraction": 0.2, "milestones": [0.5, 0.75], "gamma": 0.1},
+    {"min_lr_ratio": 0.25, "decay_fraction": 0.4, "milestones": [0.3, 0.6, 0.9], "gamma": 0.5},
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["defaults", "other-values"])
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd", "step"])
-def test_each_schedule_warms_up_then_follows_its_formula(schedule):
+def test_each_schedule_warms_up_then_follows_its_formula(schedule, shape):
     model = torch.nn.Linear(2, 2)
-    cfg = config.load(None, [f"schedule.name={schedule}", "schedule.min_lr_ratio=0.1"])
+    cfg = config.load(None, [f"schedule.name={schedule}", *(f"schedule.{key}={value}" for key, value in shape.items())])
     optimizer = optim.build_optimizer(model, cfg, lr=1.0)
     scheduler = optim.build_scheduler(optimizer, cfg, total_steps=100, warmup_share=0.05)
     lrs = []
@@ -58,7 +67,7 @@ def test_each_schedule_warms_up_then_follows_its_formula(schedule):
         lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    assert lrs == pytest.approx([expected_factor(schedule, step, 100, 5) for step in range(100)], abs=1e-12)
+    assert lrs == pytest.approx([expected_factor(schedule, step, 100, 5, shape) for step in range(100)], abs=1e-12)
 
 
 @pytest.mark.parametrize("total_steps", [3, 100])
@@ -95,10 +104,10 @@ def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name, kin
     if kind is None:
         pytest.skip(f"torch.optim.Adafactor needs torch>=2.5; this is {torch.__version__}")
     overrides = [f"optim.name={name}", "optim.betas=[0.8, 0.95]", "optim.momentum=0.5", "optim.nesterov=true"]
-    cfg = config.load(None, [*overrides, "optim.weight_decay=0.01"])
+    cfg = config.load(None, [*overrides, "optim.weight_decay=0.05"])  # not the default 0.01
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
     optimizer = optim.build_optimizer(model, cfg, lr=1e-3)
-    assert type(optimizer) is kind and [group["weight_decay"] for group in optimizer.param_groups] == [0.01, 0.0]
+    assert type(optimizer) is kind and [group["weight_decay"] for group in optimizer.param_groups] == [0.05, 0.0]
     assert all(group[key] == value for group in optimizer.param_groups for key, value in options.items())
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()  # the fused or multi-tensor kernel exists in this torch, on this device

@@ -1,17 +1,20 @@
 """Sharded checkpoints (checkpoint.format=sharded): every rank's part in a directory published by
 a rename, read back whole by the commands or resharded by a resumed run (sharded_checkpoint.py)."""
 
+import errno
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, project_env, torchrun, train_args, wait_for
+from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args, wait_for
 from safetensors.torch import load_file
 from test_faults import FAULTY, INFO, SETTINGS, final_state, small_run, worker_pid
 
@@ -113,6 +116,18 @@ def test_another_models_sharded_checkpoint_is_refused_from_its_metadata(tmp_path
         checkpoint.resume(other, state, RunDir(tmp_path), str(path), INFO, SHARDED)
 
 
+def test_under_fsdp_checkpoints_are_sharded_unless_the_format_is_named(tmp_path):
+    fsdp = SETTINGS | {"parallel": SETTINGS["parallel"] | {"strategy": "fsdp"}}
+    assert SETTINGS["checkpoint"]["format"] == fsdp["checkpoint"]["format"] == "auto"
+    model, state = trained(3)
+    sharded = checkpoint.save(model, state, RunDir(tmp_path / "fsdp"), fsdp, INFO, keep_last=1)
+    assert sharded.is_dir() and sharded_checkpoint.is_checkpoint(sharded)  # auto under fsdp: every rank its part
+    full = checkpoint.save(model, state, RunDir(tmp_path / "ddp"), SETTINGS, INFO, keep_last=1)
+    assert full.is_file()  # auto under ddp: one file
+    named = fsdp | {"checkpoint": fsdp["checkpoint"] | {"format": "full"}}
+    assert checkpoint.save(model, state, RunDir(tmp_path / "named"), named, INFO, keep_last=1).is_file()
+
+
 def test_async_save_needs_the_sharded_format():
     checkpoint.check(SHARDED | {"checkpoint": SHARDED["checkpoint"] | {"async_save": True}})
     with pytest.raises(ConfigError, match="checkpoint.async_save: .* set checkpoint.format=sharded"):
@@ -167,6 +182,55 @@ def test_a_run_that_fails_with_a_write_in_flight_publishes_it_before_it_exits(tm
     overrides += [f"run.out_dir={tmp_path}", "data.num_workers=0", "run.tensorboard=false"]
     assert train.main(["--config", SMOKE_CONFIG, *overrides]) == 1
     assert [path.name for path in RunDir(tmp_path / "smoke").saved_checkpoints()] == ["step_00000004"]
+
+
+@contextmanager
+def disk_full_for(step: int, writers: list):
+    """DCP's file system storage, whose writes into step `step`'s checkpoint fail as on a full disk;
+    `writers` gets, for each, whether it ran on the main thread."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    create_stream = FileSystem.create_stream
+
+    @contextmanager
+    def full_disk(self, path, mode):
+        if f".step_{step:08d}.partial" in str(path) and "w" in mode:
+            writers.append(threading.current_thread() is threading.main_thread())
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        with create_stream(self, path, mode) as stream:
+            yield stream
+
+    FileSystem.create_stream = full_disk
+    try:
+        yield
+    finally:
+        FileSystem.create_stream = create_stream
+
+
+@pytest.mark.parametrize("failed, steps", [(2, 6), (4, 5)], ids=["at-the-next-save", "at-the-runs-end"])
+def test_a_background_write_that_fails_stops_the_run_and_nothing_after_it_is_published(
+    tmp_path, capsys, process_settings, failed, steps
+):
+    # checkpoints every 2 steps, written in the background; step `failed`'s write meets a full disk.
+    # The run goes on training while it writes, and the next save (step 4's, or the run's final one
+    # at step 5) waits for it first: the run fails there, before writing anything after the gap
+    overrides = ["checkpoint.format=sharded", "checkpoint.async_save=true", "checkpoint.every_steps=2"]
+    overrides += [f"train.max_steps={steps}", "run.log_every=1", f"run.out_dir={tmp_path}"]
+    overrides += ["data.num_workers=0", "run.tensorboard=false", "train.precision=fp32"]
+    writers = []
+    with disk_full_for(failed, writers):
+        assert train.main(["--config", SMOKE_CONFIG, *overrides]) == 1
+    error = capsys.readouterr().err
+    message = f"[rank 0/1] RuntimeError: the background write of checkpoint step_{failed:08d} failed"
+    (line,) = [line for line in error.splitlines() if line.startswith(message)]
+    assert f"{message} (on rank 0: OSError: [Errno 28] No space left on device: " in line  # the cause's words
+    assert line.endswith("check the disk (space, permissions)")
+    assert writers == [False]  # written behind the loop, off its thread: checkpoint.async_save took effect
+    run_dir = RunDir(tmp_path / "smoke")
+    published = [path.name for path in run_dir.saved_checkpoints()]
+    assert published == [f"step_{step:08d}" for step in range(2, failed, 2)]  # none from the failed one on
+    trained = [record["step"] for record in read_metrics(run_dir.root) if "loss" in record]
+    assert trained[-1] == min(failed + 2, steps)  # it stopped at the save after the failed write
 
 
 def test_export_of_a_sharded_checkpoint_equals_that_of_the_full_one(tmp_path):

@@ -302,3 +302,39 @@ def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
     capped = config.load(SMOKE_CONFIG, ["train.epochs=1", "train.max_steps=300"])
     assert train.planned_steps(capped, 217) == "217 steps (train.epochs=1 ends before train.max_steps=300)"
     assert train.planned_steps(config.load(SMOKE_CONFIG, ["train.max_steps=60"]), 60) == "60 steps"
+
+
+@pytest.mark.usefixtures("process_settings")
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ("parallel.strategy=fsdp", "parallel.cpu_offload=true"),
+            "config error: parallel.cpu_offload: moves GPU state",
+        ),
+        (
+            ("parallel.strategy=fsdp", "train.precision=fp16"),
+            "config error: train.precision: fp16 under parallel.strategy",
+        ),
+        (("checkpoint.format=full", "checkpoint.async_save=true"), "config error: checkpoint.async_save: writes"),
+    ],
+    ids=["cpu-offload-without-a-gpu", "fsdp-in-fp16", "async-full-checkpoints"],
+)
+def test_settings_this_machine_or_each_other_refuse_stop_the_run_with_one_line_before_it_starts(
+    tmp_path, capsys, overrides, line
+):
+    if "parallel.strategy=fsdp" in overrides and sharding.floor_problem():
+        pytest.skip(sharding.floor_problem())
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "data.num_workers=0", *overrides])
+    errors = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and len(errors) == 1 and errors[0].startswith(line), errors
+    assert not (tmp_path / "smoke").exists()  # nothing started
+
+
+def test_cpu_offload_runs_the_process_group_with_gloo_beside_nccl():
+    on_gpus = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")
+    offload = config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp", "parallel.cpu_offload=true"])
+    assert sharding.with_backend(offload, on_gpus).backend == "cpu:gloo,cuda:nccl"  # clipping's norm, the CPU step
+    for unchanged in (config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp"]), config.load(SMOKE_CONFIG)):
+        assert sharding.with_backend(unchanged, on_gpus) == on_gpus

@@ -120,23 +120,26 @@ def save(
     info: DistInfo,
     keep_last: int,
     final: bool = False,
+    asked: dict | None = None,
 ) -> Path:
     """Write the weights and the state in the run's format (`format_of`); every rank must call this
     (it holds collectives). A sharded checkpoint with checkpoint.async_save is written in the
-    background, except the run's `final` one, which exists when this returns.
+    background, except the run's `final` one, which exists when this returns. `asked`: the
+    settings as given, where another world size split the global batch anew (`config` is what
+    runs); kept beside it, so that a later resume tells a setting the user changed from the split.
 
     Weights holding NaN or inf are never written (the ranks find them and every rank raises), so
     the newest checkpoint is always one a run can continue from.
     """
     if format_of(config) == "sharded":
-        return save_sharded(model, state, run_dir, config, info, keep_last, final)
+        return save_sharded(model, state, run_dir, config, info, keep_last, final, asked)
     weights, optimizer = full_state(model, state.optimizer)
     refuse_nonfinite(dist.broadcast_object(nonfinite(weights) if info.is_main else None), state.step)
     rng_per_rank = dist.all_gather_objects(rng_state())  # collective: outside the rank-0 branch
     path = run_dir.checkpoint(state.step)
     if info.is_main:
         payload = {"model": weights, "optimizer": optimizer} | state.state_dict()
-        payload |= {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
+        payload |= {"rng": rng_per_rank, "config": config, "world_size": info.world_size} | as_given(config, asked)
         atomic_save(_to_cpu(payload), path)
         prune(run_dir, keep_last)
     dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
@@ -144,7 +147,14 @@ def save(
 
 
 def save_sharded(
-    model: nn.Module, state: TrainState, run_dir: RunDir, config: dict, info: DistInfo, keep_last: int, final: bool
+    model: nn.Module,
+    state: TrainState,
+    run_dir: RunDir,
+    config: dict,
+    info: DistInfo,
+    keep_last: int,
+    final: bool,
+    asked: dict | None = None,
 ) -> Path:
     """Every rank writes its part (sharded_checkpoint.py); rank 0 adds the state besides the tensors."""
     sharded_checkpoint.WRITES.wait()  # the previous one first: one write in flight, and its failure seen here
@@ -158,9 +168,21 @@ def save_sharded(
     partial = sharded_checkpoint.prepare(run_dir, state.step, info)
     if info.is_main:
         payload = state.state_dict() | {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
+        payload |= as_given(config, asked)
         atomic_save(_to_cpu(payload), partial / sharded_checkpoint.STATE_FILE)
     background, timeout = config["checkpoint"]["async_save"] and not final, config["dist"]["timeout_minutes"]
     return sharded_checkpoint.write(tensors, partial, run_dir, state.step, info, keep_last, background, timeout)
+
+
+def as_given(config: dict, asked: dict | None) -> dict:
+    """The checkpoint's "asked" entry: the settings as given, where they differ from `config`."""
+    return {} if asked is None or asked == config else {"asked": asked}
+
+
+def settings_given(payload: dict) -> dict:
+    """The settings the checkpoint's run was given (before another world size split its global
+    batch anew): what a resume compares the settings it is given with."""
+    return payload.get("asked", payload["config"])
 
 
 def refuse_nonfinite(broken: list[str], step: int) -> None:
@@ -439,7 +461,7 @@ def restore(
     """The weights and `state` of the chosen checkpoint, whatever the strategy and world size that
     wrote it; the epoch goes on with the samples it has not read yet. `config` is the run's, `asked`
     the settings as given (default: `config`), before another world size split the global batch
-    anew: those that differ from the checkpoint's are listed in a note."""
+    anew: those that differ from the settings the checkpoint's run was given are listed in a note."""
     mismatch = model_mismatch(dist.bare(model), payload["model_shapes"] if payload.get("sharded") else payload["model"])
     if mismatch:
         raise ConfigError(
@@ -458,7 +480,7 @@ def restore(
     renamed = renamed_note(payload.get("renamed_settings"), chosen.name, "its next checkpoint uses the new names")
     if renamed:
         dist.print0(info, renamed)
-    changes = changed_settings(payload["config"], config if asked is None else asked)
+    changes = changed_settings(settings_given(payload), config if asked is None else asked)
     if changes:
         dist.print0(
             info,

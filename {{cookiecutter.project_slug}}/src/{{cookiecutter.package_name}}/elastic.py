@@ -24,6 +24,13 @@ def saved_global_batch(payload: dict) -> int:
     return settings["data"]["batch_size"] * payload["world_size"] * settings["train"]["grad_accum_steps"]
 
 
+def given_split(payload: dict) -> tuple[int, int]:
+    """(data.batch_size, train.grad_accum_steps) as the checkpoint's run was given them: its
+    "asked" settings where another world size split the global batch anew (checkpoint.save)."""
+    settings = payload.get("asked", payload["config"])
+    return settings["data"]["batch_size"], settings["train"]["grad_accum_steps"]
+
+
 def split(global_batch: int, world_size: int, largest_batch: int) -> tuple[int, int] | None:
     """(per-device batch, accumulation steps) that make `global_batch` on `world_size` ranks with
     the largest per-device batch up to `largest_batch` (fewest micro-batches), or None."""
@@ -38,16 +45,20 @@ def split(global_batch: int, world_size: int, largest_batch: int) -> tuple[int, 
 
 def keep_global_batch(cfg: Config, payload: dict, world_size: int) -> tuple[Config, str | None]:
     """`cfg` with the per-device batch and accumulation that keep the checkpoint's global batch on
-    `world_size` ranks (at most data.batch_size per device), and the start-up line saying so; `cfg`
-    unchanged on the checkpoint's world size. Every rank computes the same, before any collective."""
+    `world_size` ranks (at most data.batch_size per device), and the start-up line saying so. On the
+    checkpoint's world size `cfg` is unchanged, unless an earlier world size split the checkpoint's
+    global batch anew and data.batch_size and train.grad_accum_steps are as its run was given them
+    (a restart after an elastic one): the split goes on. Every rank computes the same, before any
+    collective."""
     saved_world = payload["world_size"]
-    if saved_world == world_size:
-        return cfg, None
-    wanted = saved_global_batch(payload)
     batch, steps = cfg.data.batch_size, cfg.train.grad_accum_steps
+    if saved_world == world_size and (batch, steps) != given_split(payload):
+        return cfg, None  # changed since the checkpoint: the settings rule (restore's note lists them)
+    wanted = saved_global_batch(payload)
     resumed = f"resumed on {world_size} rank{'s' if world_size > 1 else ''} from a {saved_world}-rank checkpoint"
     if batch * world_size * steps == wanted:
-        return cfg, f"{resumed}: batch {batch} x {world_size} x accum {steps} keeps the global batch {wanted}"
+        kept = f"{resumed}: batch {batch} x {world_size} x accum {steps} keeps the global batch {wanted}"
+        return cfg, None if saved_world == world_size else kept
     if cfg.checkpoint.allow_new_global_batch:
         now = batch * world_size * steps
         return cfg, (
@@ -55,13 +66,12 @@ def keep_global_batch(cfg: Config, payload: dict, world_size: int) -> tuple[Conf
             f"{steps} (checkpoint.allow_new_global_batch), the lr rescaled by optim.lr_scaling"
         )
     fit = split(wanted, world_size, batch)
-    if fit is None:
+    if fit is None:  # the world size does not divide the global batch: no per-device batch can help
         worlds = [w for w in range(1, wanted + 1) if split(wanted, w, batch)][:8]
         raise ConfigError(
             f"checkpoint.resume: the checkpoint's global batch {wanted} ({saved_world} ranks x batch "
             f"{payload['config']['data']['batch_size']} x accum {payload['config']['train']['grad_accum_steps']}) "
-            f"does not split over {world_size} ranks with data.batch_size <= {batch}: resume on "
-            f"{', '.join(map(str, worlds))} ranks, raise data.batch_size, or pass "
+            f"does not split over {world_size} ranks: resume on {', '.join(map(str, worlds))} ranks, or pass "
             "checkpoint.allow_new_global_batch=true to train on with the global batch this world gives"
         )
     batch, steps = fit

@@ -178,7 +178,7 @@ class BackgroundWrite:
         every rank calls it at the same point, before a save and at the run's end)."""
         self._done.wait()
         error, path, self._error, self._path = self._error, self._path, None, None
-        summary = error and f"{type(error).__name__}: {error}"
+        summary = error and cause(error)
         failed = [problem for problem in dist.all_gather_objects(summary) if problem]
         if failed:
             raise RuntimeError(
@@ -188,6 +188,18 @@ class BackgroundWrite:
 
 
 WRITES = BackgroundWrite()
+
+
+def cause(error: BaseException) -> str:
+    """A failed write in one line: DCP's CheckpointException holds each failing rank's exception
+    with its traceback, of which the first rank's exception says what happened (a full disk, a
+    peer gone)."""
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if failures:
+        rank = min(failures)
+        exception = failures[rank][0]
+        return f"on rank {rank}: {type(exception).__name__}: {exception}"
+    return f"{type(error).__name__}: {error}"
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:

@@ -122,6 +122,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     if saved is not None:  # before build: another world size keeps the global batch with another split
         cfg, batch_line = elastic.keep_global_batch(cfg, saved, info.world_size)
     job = build(cfg, info)
+    job.asked = asked
     if resumed:
         peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # optim.lr scaled to this run's global batch
         checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg), asked)
@@ -170,6 +171,7 @@ class Job:
     clock: StepClock  # where each step's time goes
     profiler: ProfileWindow | None  # run.profile_steps; None when off
     units: list[nn.Module]  # parallel.strategy=fsdp: the modules sharded one by one (task.shard_units)
+    asked: dict | None = None  # the settings as given, before another world size split the global batch anew
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
@@ -431,7 +433,8 @@ def check_finite(window: Window, cfg: Config) -> None:
 
 def save_checkpoint(job: Job, cfg: Config, info: DistInfo, final: bool = False) -> Path:
     settings = config.to_dict(cfg)
-    return checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, cfg.checkpoint.keep_last, final)
+    keep_last = cfg.checkpoint.keep_last
+    return checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, keep_last, final, job.asked)
 
 
 def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:

@@ -71,10 +71,36 @@ def test_augmentation_depends_on_the_seed_epoch_and_index_only(tree):
     first = train_set[7][0]
     assert torch.equal(first, train_set[7][0]) and not torch.equal(first, train_set[8][0])
     assert torch.equal(torch.get_rng_state(), state)  # the process's own stream is untouched
-    worker_copy = pickle.loads(pickle.dumps(train_set))  # what a spawned loader worker holds
+    worker_copy = pickle.loads(pickle.dumps(train_set))  # a copy in another process, made at epoch 0
     train_set.set_epoch(1)
     assert torch.equal(worker_copy[7][0], first)
     assert not torch.equal(train_set[7][0], first)  # a new epoch, new crops
+
+
+def first_batch(tree, start: str, workers: int, dataset_epoch: int | None = None):
+    """A loader of the training set as the loop builds it (persistent workers), and its first batch
+    of epoch 1; the dataset's epoch set to `dataset_epoch` before the workers start, if given."""
+    cfg = small_config(tree, f"data.worker_start={start}", "data.batch_size=4")
+    train_set, eval_set = task.build_datasets(cfg)
+    if dataset_epoch is not None:
+        train_set.set_epoch(dataset_epoch)
+    loader, _ = loaders.build_loaders(train_set, eval_set, cfg, CPU, workers)
+    loader.sampler.set_epoch(1)
+    return loader, next(iter(loader))
+
+
+@pytest.mark.parametrize(
+    "start",
+    ["fork", pytest.param("forkserver", marks=pytest.mark.slow), pytest.param("spawn", marks=pytest.mark.slow)],
+)
+def test_each_epochs_crops_reach_persistent_loader_workers_whatever_starts_them(tree, start):
+    persistent, _ = first_batch(tree, start, workers=1, dataset_epoch=0)  # its worker starts in epoch 0 ...
+    persistent.dataset.set_epoch(1)  # ... and lives on into epoch 1 (train.fit calls set_epoch as here)
+    images, labels = next(iter(persistent))
+    _, (fresh, fresh_labels) = first_batch(tree, "fork", workers=1, dataset_epoch=1)  # a worker started in epoch 1
+    _, (stale, _) = first_batch(tree, "fork", workers=0, dataset_epoch=0)  # epoch 1's images, epoch 0's crops
+    assert torch.equal(labels, fresh_labels) and torch.equal(images, fresh)
+    assert not torch.equal(images, stale)
 
 
 def test_packed_records_turn_into_the_samples_of_the_tree(tree):
