@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import checkpoint, config, optim, train
+from {{ cookiecutter.package_name }} import checkpoint, config, optim, sharded_checkpoint, train
 from {{ cookiecutter.package_name }}.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.dist import DistInfo
 from {{ cookiecutter.package_name }}.model import build_model
@@ -150,6 +150,24 @@ def test_a_runs_launch_directory_is_found_from_where_its_checkpoint_lies(tmp_pat
     assert export.run_launch_directory(sharded, cfg) == tmp_path / "project"
     assert export.run_launch_directory(tmp_path / "copied" / "checkpoints" / "step_1.pt", cfg) is None  # not its run's
     assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"])) is None
+    elsewhere = tmp_path / "launched here"
+    elsewhere.mkdir()
+    assert export.run_launch_directory(saved, cfg, recorded=str(elsewhere)) == elsewhere  # what it records wins
+    assert export.run_launch_directory(saved, cfg, recorded=str(tmp_path / "gone")) == tmp_path / "project"
+
+
+def test_a_checkpoint_records_the_directory_its_run_was_launched_from(tmp_path, monkeypatch):
+    launched = tmp_path / "launched"
+    launched.mkdir()
+    monkeypatch.chdir(launched)
+    cfg = config.load(SMOKE_CONFIG)
+    model = build_model(cfg)
+    state = trained_looking_state(cfg, model, 3)
+    for settings in (config.to_dict(cfg), config.to_dict(config.load(SMOKE_CONFIG, ["checkpoint.format=sharded"]))):
+        if settings["checkpoint"]["format"] == "sharded" and sharded_checkpoint.floor_problem():
+            continue
+        path = checkpoint.save(model, state, RunDir(tmp_path / settings["checkpoint"]["format"]), settings, INFO, 1)
+        assert checkpoint.load_file(path)["launch_dir"] == str(launched)
 
 
 def test_a_model_that_is_not_a_transformers_model_exports_to_huggingface_with_one_line_saying_so(

@@ -140,6 +140,7 @@ def save(
     if info.is_main:
         payload = {"model": weights, "optimizer": optimizer} | state.state_dict()
         payload |= {"rng": rng_per_rank, "config": config, "world_size": info.world_size} | as_given(config, asked)
+        payload["launch_dir"] = str(Path.cwd())  # where the settings' relative paths (dataset.dir, ...) start
         atomic_save(_to_cpu(payload), path)
         prune(run_dir, keep_last)
     dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
@@ -168,7 +169,7 @@ def save_sharded(
     partial = sharded_checkpoint.prepare(run_dir, state.step, info)
     if info.is_main:
         payload = state.state_dict() | {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
-        payload |= as_given(config, asked)
+        payload |= as_given(config, asked) | {"launch_dir": str(Path.cwd())}
         atomic_save(_to_cpu(payload), partial / sharded_checkpoint.STATE_FILE)
     background, timeout = config["checkpoint"]["async_save"] and not final, config["dist"]["timeout_minutes"]
     return sharded_checkpoint.write(tensors, partial, run_dir, state.step, info, keep_last, background, timeout)

@@ -69,7 +69,7 @@ def export_huggingface(target: str | Path, output: str | Path, dtype: str | None
     extras.require("transformers", "export --format huggingface")  # before the checkpoint is read
     path, payload = checkpoint.find(target)
     cfg = from_dict(payload["config"])
-    with launched_from(path, cfg):  # the config's relative paths (dataset.dir) as the run saw them
+    with launched_from(path, cfg, payload):  # the config's relative paths (dataset.dir) as the run saw them
         model = task.build_model(cfg)
         tokenizer = task.tokenizer_file(cfg) if hasattr(task, "tokenizer_file") else None
     if not callable(getattr(model, "save_pretrained", None)):
@@ -87,10 +87,12 @@ def export_huggingface(target: str | Path, output: str | Path, dtype: str | None
         PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(output)
 
 
-def run_launch_directory(checkpoint_path: Path, cfg: Config) -> Path | None:
-    """The directory a run was launched from, found from where its checkpoint lies: the run
-    directory (runs/<name>) is run.out_dir/run.name relative to it. None when run.out_dir is
-    absolute or the checkpoint is not in its run's checkpoints/ folder."""
+def run_launch_directory(checkpoint_path: Path, cfg: Config, recorded: str | None = None) -> Path | None:
+    """The directory a run was launched from: the one its checkpoint records (`recorded`), where it
+    still exists; else, for a checkpoint written before they recorded it, found from where it lies:
+    the run directory (runs/<name>) is run.out_dir/run.name relative to it. None when neither tells."""
+    if recorded is not None and Path(recorded).is_dir():
+        return Path(recorded)
     relative = Path(cfg.run.out_dir) / cfg.run.name
     folder = next((p for p in Path(checkpoint_path).resolve().parents if p.name == "checkpoints"), None)
     if relative.is_absolute() or folder is None:
@@ -103,10 +105,11 @@ def run_launch_directory(checkpoint_path: Path, cfg: Config) -> Path | None:
 
 
 @contextmanager
-def launched_from(checkpoint_path: Path, cfg: Config):
+def launched_from(checkpoint_path: Path, cfg: Config, payload: dict):
     """Inside, the working directory is the one the checkpoint's run was launched from (when it can
     be told), so the relative paths in its config (dataset.dir, ...) name what they named then."""
-    directory, before = run_launch_directory(checkpoint_path, cfg), Path.cwd()
+    directory = run_launch_directory(checkpoint_path, cfg, payload.get("launch_dir"))
+    before = Path.cwd()
     if directory is None or not directory.is_dir():
         yield
         return
