@@ -58,8 +58,10 @@ def main(argv=None) -> int:
 def work(project: Path, rounds: int, model: list[str]) -> int:
     sys.path.insert(0, str(project / "src"))
     sys.path.insert(0, str(HERE))
-    from ddp_trainer import config, dist, sharded_checkpoint, train
-    from ddp_trainer.dist import DistInfo
+    from ddp_trainer import config, train
+    from ddp_trainer.base import dist
+    from ddp_trainer.base.dist import DistInfo
+    from ddp_trainer.loop import sharded_checkpoint
     from sharded import chunk
 
     info = DistInfo.from_env()

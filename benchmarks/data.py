@@ -66,7 +66,8 @@ def read(args) -> tuple[int, float]:
     """(images, seconds) of this rank's timed batches: read, or read and trained on."""
     import torch
     import torch.distributed as dist
-    from ddp_trainer import config, loaders
+    from ddp_trainer import config
+    from ddp_trainer.loop import loaders
     from torch.utils.data import DataLoader
 
     overrides = [f"dataset.root={args.tree}", f"dataset.image_size={args.image_size}"]
@@ -208,8 +209,8 @@ def main(argv=None) -> int:
         extra = {"task": "image_classification"}
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=extra, output_dir=scratch))
         sys.path.insert(0, str(project / "src"))
-        from ddp_trainer.cpus import cpus_available
-        from ddp_trainer.loaders import workers_per_rank
+        from ddp_trainer.base.cpus import cpus_available
+        from ddp_trainer.loop.loaders import workers_per_rank
 
         data = prepare(project, Path(scratch), args)
         rule = workers_per_rank(cpus_available(), 2, cap=8)

@@ -14,8 +14,9 @@ import time
 import torch
 import torch.distributed as torch_dist
 from bare_loop import BareLoop
-from ddp_trainer import config, dist, preemption, train
-from ddp_trainer.dist import DistInfo
+from ddp_trainer import config, train
+from ddp_trainer.base import dist, preemption
+from ddp_trainer.base.dist import DistInfo
 
 
 def timed(run) -> tuple[float, float]:

@@ -65,14 +65,14 @@ TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS, SHARDED_CHECKPOINT,
     in_package(m)
     for m in (
         "train",
-        "loaders",
-        "optim",
-        "checkpoint",
-        "dist",
-        "sharding",
-        "samplers",
-        "sharded_checkpoint",
-        "elastic",
+        "loop/loaders",
+        "loop/optim",
+        "loop/checkpoint",
+        "base/dist",
+        "loop/parallel",
+        "loop/samplers",
+        "loop/sharded_checkpoint",
+        "loop/elastic",
         "data",
     )
 )
@@ -310,7 +310,7 @@ MUTANTS = [
         "    dist.broadcast_buffers(model)\n    tensors = ",
         "    tensors = ",
         slow=(
-            "tests/test_shards.py::test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrupted_one",
+            "tests/test_packs.py::test_a_run_on_shards_killed_mid_epoch_resumes_bit_identical_to_an_uninterrupted_one",
         ),
     ),
     Mutant(
@@ -440,7 +440,7 @@ MUTANTS = [
         "fsdp settings not checked before the run",
         "parallel.cpu_offload and fp16 refused before any collective",
         TRAIN,
-        "        sharding.check(cfg, info.device)\n",
+        "        parallel.check(cfg, info.device)\n",
         "",
     ),
     Mutant(
@@ -520,8 +520,8 @@ MUTANTS = [
         "activation checkpointing ignored under ddp",
         "parallel.activation_checkpointing applies under ddp as under fsdp",
         TRAIN,
-        '    units = sharding.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []',
-        "    units = sharding.units(model) if sharded else []",
+        '    units = parallel.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []',
+        "    units = parallel.units(model) if sharded else []",
     ),
     Mutant(
         "the dataset's epoch never set",

@@ -58,8 +58,10 @@ def main(argv=None) -> int:
 
 def work(project: Path, steps: int, rounds: int, model: list[str]) -> int:
     sys.path.insert(0, str(project / "src"))
-    from ddp_trainer import config, dist, sharding, train
-    from ddp_trainer.dist import DistInfo
+    from ddp_trainer import config, train
+    from ddp_trainer.base import dist
+    from ddp_trainer.base.dist import DistInfo
+    from ddp_trainer.loop import parallel
 
     info = DistInfo.from_env()
 
@@ -76,7 +78,7 @@ def work(project: Path, steps: int, rounds: int, model: list[str]) -> int:
         rows = []
         for name, (cfg, job) in jobs.items():
             step = statistics.median(times[name])
-            rows.append((name, step, held_bytes(job, sharding), saved_bytes(job, cfg, info)))
+            rows.append((name, step, held_bytes(job, parallel), saved_bytes(job, cfg, info)))
         params = sum(p.numel() for p in dist.bare(jobs["ddp"][1].model).parameters())
         dist.print0(info, table(rows, info.world_size, steps, rounds, params, model))
         return 0
@@ -105,7 +107,7 @@ def chunk(job, cfg, info, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def held_bytes(job, sharding) -> int:
+def held_bytes(job, parallel) -> int:
     """This rank's bytes of weights, gradients (as many as the weights) and optimizer state."""
     local = [p.to_local() if hasattr(p, "to_local") else p for p in job.model.parameters()]
     weights = sum(t.numel() * t.element_size() for t in local)

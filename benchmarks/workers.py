@@ -101,8 +101,8 @@ def main(argv=None) -> int:
         extra = {"task": "image_classification"}
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, extra_context=extra, output_dir=scratch))
         sys.path.insert(0, str(project / "src"))
-        from ddp_trainer.cpus import cpus_available
-        from ddp_trainer.loaders import workers_per_rank
+        from ddp_trainer.base.cpus import cpus_available
+        from ddp_trainer.loop.loaders import workers_per_rank
 
         sized = workers_per_rank(cpus_available(), 2, cap=8)
         settings = {"sized (auto)": sized, "none": 0, "one": 1, "naive fixed": args.naive}

@@ -30,7 +30,7 @@ from conftest import bake
 DRILLS = ["tests/test_faults.py", "tests/test_launchers.py", "tests/test_multinode.py", "tests/test_sbatch.py"]
 EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to back and side by side
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
-SHARDS = "tests/test_shards.py"  # packed shards: a folder and an S3-compatible server on loopback
+SHARDS = "tests/test_packs.py"  # packed shards: a folder and an S3-compatible server on loopback
 SEAM = "--ignore=tests/test_seam.py"  # the stand-in tasks replace the seam: the same tests in every project
 # the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp;
 # the image classifier's ResNet passes the FSDP smoke check with BatchNorm

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import launch
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def process_settings(monkeypatch):
     """Put back what train.build and train.run set process-wide: threads, cuDNN, the stop signal."""
-    from {{ cookiecutter.package_name }} import preemption
+    from {{ cookiecutter.package_name }}.base import preemption
 
     threads, handler = torch.get_num_threads(), signal.getsignal(preemption.WORKER_STOP_SIGNAL)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)

@@ -32,20 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from helpers import whole_checkpoint  # noqa: E402
 
-from {{ cookiecutter.package_name }} import (  # noqa: E402
-    checkpoint,
-    config,
-    dist,
-    loaders,
-    optim,
-    preemption,
-    records,
-    sharded_checkpoint,
-    sharding,
-    task,
-    train,
-)
-from {{ cookiecutter.package_name }}.dist import DistInfo  # noqa: E402
+from {{ cookiecutter.package_name }} import config, task, train  # noqa: E402
+from {{ cookiecutter.package_name }}.base import dist, preemption, records  # noqa: E402
+from {{ cookiecutter.package_name }}.base.dist import DistInfo  # noqa: E402
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, optim, parallel, sharded_checkpoint  # noqa: E402
 from {{ cookiecutter.package_name }}.tools import checks  # noqa: E402
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS  # noqa: E402
 from {{ cookiecutter.package_name }}.tools.smoke import CommCounter, counting_allreduce_hook  # noqa: E402
@@ -235,8 +225,8 @@ def held_bytes(job: train.Job, cfg, info: DistInfo) -> dict:
     shapes = [p.shape for p in job.model.parameters()]
     return {
         "held_bytes": dist.all_gather_objects(2 * weights + optimizer),
-        "estimated_bytes": sharding.state_bytes(shapes, cfg.optim, info.world_size),
-        "ddp_bytes": sharding.state_bytes(shapes, cfg.optim, 1),
+        "estimated_bytes": parallel.state_bytes(shapes, cfg.optim, info.world_size),
+        "ddp_bytes": parallel.state_bytes(shapes, cfg.optim, 1),
         "estimated_units": len(job.units),  # the units the start-up estimate adds gathered
     }
 
@@ -255,14 +245,14 @@ def prove_sharding(overrides: list[str], info: DistInfo) -> dict:
     a shard, each unit's activations recomputed."""
     cfg = config.load(SMOKE, [*SHARDED, *overrides])
     model = task.build_model(cfg)
-    units = sharding.units(model)  # of the model as built: fully_shard changes the units' classes
+    units = parallel.units(model)  # of the model as built: fully_shard changes the units' classes
     model = train.wrap(model, cfg, info)
     return {
         "units": len(units),
         "units_sharded": sum(dist.sharded(unit) for unit in units),
         "root_sharded": dist.sharded(model),
         "parameters_sharded": all(hasattr(p, "full_tensor") for p in model.parameters()),
-        "units_recomputed": sum(getattr(unit.forward, "func", None) is sharding.checkpoint for unit in units),
+        "units_recomputed": sum(getattr(unit.forward, "func", None) is parallel.checkpoint for unit in units),
         "units_with_batchnorm": sum(
             any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in unit.modules()) for unit in units
         ),
@@ -541,7 +531,7 @@ def prove_resume(out: Path, overrides: list[str], info: DistInfo, path: Path) ->
 
 class DropoutBlocks(torch.nn.Module):
     """A stand-in with active dropout inside its units (none of the shipped models has any at the
-    test sizes): residual blocks in a ModuleList, which sharding.default_units takes as its units."""
+    test sizes): residual blocks in a ModuleList, which parallel.default_units takes as its units."""
 
     def __init__(self, width: int = 16, blocks: int = 3):
         super().__init__()
@@ -568,9 +558,9 @@ def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
     def gradients(mode: str, dropout_seed: int) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = DropoutBlocks()
-        units = sharding.default_units(model)
-        sharding.checkpoint_activations(units, mode)
-        model = sharding.shard(model, units, cfg, info) if strategy == "fsdp" else DDP(model)
+        units = parallel.default_units(model)
+        parallel.checkpoint_activations(units, mode)
+        model = parallel.shard(model, units, cfg, info) if strategy == "fsdp" else DDP(model)
         torch.manual_seed(dropout_seed)  # the same masks on every rank, each on its own batch
         model(inputs).square().sum().backward()
         return [whole(p.grad) for p in model.parameters()]
@@ -600,9 +590,9 @@ def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict
             model = train.wrap(task.build_model(cfg), cfg, info)
             train_loader, _ = loaders.build_loaders(*loaders.datasets(cfg), cfg, info, 0)
             batch = task.to_device(next(iter(train_loader)), info.device)
-            with sharding.micro_batch(model, False, cfg, info):
+            with parallel.micro_batch(model, False, cfg, info):
                 loss = task.loss_sum(model, batch)
-                units = sharding.units(dist.bare(model))
+                units = parallel.units(dist.bare(model))
                 gathered = all(not hasattr(p, "full_tensor") for unit in units for p in unit.parameters())
                 loss.backward()
             reduced = all(p.grad is not None for p in model.parameters())

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from {{ cookiecutter.package_name }} import sharded_checkpoint, task, train
+from {{ cookiecutter.package_name }} import task, train
+from {{ cookiecutter.package_name }}.loop import sharded_checkpoint
 
 FAULT = os.environ.get("FAULT", "")
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))

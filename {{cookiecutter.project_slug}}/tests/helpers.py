@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import checkpoint, task
+from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.loop import checkpoint
 
 
 class WithUnusedHead(nn.Module):

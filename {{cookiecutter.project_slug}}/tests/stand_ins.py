@@ -33,7 +33,7 @@ from torch.utils.data import Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run as a script, without installing
 
 from {{ cookiecutter.package_name }} import task  # noqa: E402
-from {{ cookiecutter.package_name }}.samples import Throughput, move_to, unwrap  # noqa: E402
+from {{ cookiecutter.package_name }}.base.batching import Throughput, move_to, unwrap  # noqa: E402
 
 VOCABULARY, WIDTH, LENGTH = 16, 8, 6  # tokens per sample: LENGTH + 1, the last one only a target
 IGNORE = -100
@@ -267,8 +267,10 @@ def install(name: str, monkeypatch=None) -> None:
 def main() -> int:
     import dist_proofs
 
-    from {{ cookiecutter.package_name }} import config, dist, sharding
-    from {{ cookiecutter.package_name }}.dist import DistInfo
+    from {{ cookiecutter.package_name }} import config
+    from {{ cookiecutter.package_name }}.base import dist
+    from {{ cookiecutter.package_name }}.base.dist import DistInfo
+    from {{ cookiecutter.package_name }}.loop import parallel
     from {{ cookiecutter.package_name }}.tools import smoke
 
     parser = argparse.ArgumentParser()
@@ -276,7 +278,7 @@ def main() -> int:
     parser.add_argument("--fsdp", action="store_true", help="also the sharded loop's proofs and smoke check")
     args = parser.parse_args()
     info = DistInfo.from_env()
-    strategies = ["ddp", "fsdp"] if args.fsdp and not sharding.floor_problem() else ["ddp"]
+    strategies = ["ddp", "fsdp"] if args.fsdp and not parallel.floor_problem() else ["ddp"]
 
     def prove_and_check() -> int:
         codes = []

@@ -1,5 +1,5 @@
 """parallel.activation_checkpointing: a recomputed unit gives the gradients of the forward pass it
-replays, dropout included, and the setting takes effect under either strategy (sharding.py,
+replays, dropout included, and the setting takes effect under either strategy (parallel.py,
 train.wrap). The 2-rank proofs under ddp and fsdp are in tests/dist_proofs.py."""
 
 import pytest
@@ -8,8 +8,10 @@ from conftest import SMOKE_CONFIG
 from dist_proofs import DropoutBlocks
 from torch import nn
 
-from {{ cookiecutter.package_name }} import config, dist, loaders, sharding, task, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import dist
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, parallel
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
@@ -18,8 +20,8 @@ def gradients(mode: str, dropout_seed: int) -> list[torch.Tensor]:
     """The stand-in's gradients on one batch, its units recomputed as `mode` says."""
     torch.manual_seed(0)
     model = DropoutBlocks()
-    units = sharding.default_units(model)
-    assert units == list(model.blocks) and sharding.checkpoint_activations(units, mode) == []
+    units = parallel.default_units(model)
+    assert units == list(model.blocks) and parallel.checkpoint_activations(units, mode) == []
     inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(dropout_seed)  # the masks of this forward pass
     model(inputs).square().sum().backward()
@@ -61,8 +63,8 @@ def test_activation_checkpointing_makes_the_tasks_units_recompute_under_either_s
         cfg = config.load(SMOKE_CONFIG, [*settings, "data.num_workers=0"])
         torch.manual_seed(0)
         model = train.wrap(task.build_model(cfg), cfg, WORLD_OF_ONE)  # the loop's own wrapping (fsdp: a world of one)
-        units = sharding.units(dist.bare(model))
-        recomputed[mode] = sum(getattr(unit.forward, "func", None) is sharding.checkpoint for unit in units)
+        units = parallel.units(dist.bare(model))
+        recomputed[mode] = sum(getattr(unit.forward, "func", None) is parallel.checkpoint for unit in units)
         train_loader, _ = loaders.build_loaders(*task.build_datasets(cfg), cfg, WORLD_OF_ONE, 0)
         saved[mode] = saved_for_backward(model, next(iter(train_loader)))
     normed = [any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules()) for unit in units]

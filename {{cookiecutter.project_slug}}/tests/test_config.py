@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
 
-from {{ cookiecutter.package_name }} import config, rules, train, typed_config
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }} import config, train
+from {{ cookiecutter.package_name }}.base import rules, typed_config
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
 
 DEFAULT_CONFIG = PROJECT / "configs" / "default.yaml"
 
@@ -77,7 +78,7 @@ def test_sync_with_a_rule_that_fails_to_run_is_one_line_exit_2_and_the_file_unch
     model_py = source / PACKAGE / "model.py"
     broken = '    depth_cap: Annotated[int, Rule(lambda v: v <= MAX_DEPTH, "use at most MAX_DEPTH")] = 1  # cap\n'
     text = re.sub(r"(class ModelConfig:\n)", lambda m: m.group(1) + broken, model_py.read_text(), count=1)
-    text = text.replace("from .rules import ", "from .rules import Rule, ", 1)
+    text = text.replace("from .base.rules import ", "from .base.rules import Rule, ", 1)
     model_py.write_text(text.replace("from __future__ import annotations\n", FUTURE_AND_ANNOTATED, 1))
     path = tmp_path / "default.yaml"
     path.write_bytes(b"model:\n  depth_cap: 2  # mine\n")

@@ -7,9 +7,11 @@ import torch
 from conftest import SMOKE_CONFIG
 from torch.utils.data import Dataset, DistributedSampler, Subset
 
-from {{ cookiecutter.package_name }} import config, cpus, loaders, preflight, samples, task, train
-from {{ cookiecutter.package_name }}.checkpoint import TrainState
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import batching, cpus
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, preflight
+from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.model import build_model
 
 
@@ -186,7 +188,7 @@ def test_every_rank_gets_the_same_number_of_full_batches(size, world):
     lengths = {len(build(r, world, train_samples=size)[0]) for r in range(world)}
     assert len(lengths) == 1
     for batch in build(world - 1, world, train_samples=size)[0]:
-        assert samples.num_samples(batch) == 16
+        assert batching.num_samples(batch) == 16
 
 
 def test_resumable_sampler_continues_mid_epoch():
@@ -207,15 +209,15 @@ def test_unequal_lengths_fail_clearly_in_a_world_of_one():
 
 def test_move_to_walks_tuples_lists_and_dicts():
     batch = {"ids": torch.ones(2, 3), "pair": (torch.zeros(2), [torch.ones(2)]), "name": "x"}
-    moved = samples.move_to(batch, torch.device("meta"))
+    moved = batching.move_to(batch, torch.device("meta"))
     assert moved["ids"].device.type == "meta" and moved["pair"][1][0].device.type == "meta"
     assert isinstance(moved["pair"], tuple) and moved["name"] == "x"
 
 
 def test_num_samples_and_describe_read_any_batch_structure():
     batch = {"meta": "x", "input_ids": torch.zeros(4, 7, dtype=torch.long), "labels": torch.zeros(4, 7)}
-    assert samples.num_samples(batch) == 4 and samples.num_samples((torch.zeros(3, 2), torch.zeros(3))) == 3
-    assert samples.describe(batch) == "{'meta': str, 'input_ids': Tensor[4, 7] int64, 'labels': Tensor[4, 7] float32}"
+    assert batching.num_samples(batch) == 4 and batching.num_samples((torch.zeros(3, 2), torch.zeros(3))) == 3
+    assert batching.describe(batch) == "{'meta': str, 'input_ids': Tensor[4, 7] int64, 'labels': Tensor[4, 7] float32}"
 
 
 def tensors(batch) -> list:
@@ -228,8 +230,8 @@ def tensors(batch) -> list:
 def test_first_samples_collate_like_the_loader_without_touching_the_sampler():
     train, _ = build(0, 2)
     order = epoch_order(train, 0)
-    batch = samples.first_samples(train.dataset, train, 3)
+    batch = batching.first_samples(train.dataset, train, 3)
     expected = train.collate_fn([train.dataset[i] for i in range(3)])
-    assert samples.describe(batch) == samples.describe(expected)
+    assert batching.describe(batch) == batching.describe(expected)
     assert all(torch.equal(a, b) for a, b in zip(tensors(batch), tensors(expected), strict=True))
     assert epoch_order(train, 0) == order

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import PROJECT, Writes, project_env, run, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import cpus, dist, preemption, rendezvous
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.base import cpus, dist, preemption, rendezvous
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.tools import launch
 
 TORCHRUN_ENV = {
@@ -194,8 +194,8 @@ SHARED_DIR_PROOF = """
 import dataclasses
 import sys
 from pathlib import Path
-from {{ cookiecutter.package_name }} import dist
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.base import dist
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
 
 info = DistInfo.from_env()
 dist.init(info, timeout_minutes=1)

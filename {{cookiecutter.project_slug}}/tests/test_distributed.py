@@ -13,13 +13,14 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, run, runs_fsdp, torchrun
 
-from {{ cookiecutter.package_name }} import config, loaders, sharding, task
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, task
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, parallel
 from {{ cookiecutter.package_name }}.tools import checks
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
+needs_fsdp = pytest.mark.skipif(bool(parallel.floor_problem()), reason=parallel.floor_problem() or "")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def launches(tmp_path_factory, pytestconfig) -> dict:
     process group's gloo threads alive past teardown (torch 2.14), which the teardown proof below
     must not see; and only where the tests marked fsdp run (conftest.runs_fsdp). A failing proof
     exits 1, and the tests below say which one failed."""
-    sharded = runs_fsdp(pytestconfig) and not sharding.floor_problem()
+    sharded = runs_fsdp(pytestconfig) and not parallel.floor_problem()
     commands = {"proofs": []} | ({"fsdp": ["--only", "fsdp"]} if sharded else {})
     outs = {name: tmp_path_factory.mktemp(name) for name in commands}
 

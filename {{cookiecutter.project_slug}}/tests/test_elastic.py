@@ -15,9 +15,10 @@ import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, run, torchrun, train_args, wait_for
 from test_faults import FAULTY, assert_bit_identical, final_state, worker_pid
 
-from {{ cookiecutter.package_name }} import config, elastic, optim, samplers, sharding, task, train
-from {{ cookiecutter.package_name }}.checkpoint import TrainState
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.loop import elastic, optim, parallel, samplers
+from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 
 CHUNKS = [list(range(start, min(start + 7, 101))) for start in range(0, 101, 7)]  # 101 records, a short last chunk
 
@@ -189,7 +190,7 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 # full checkpoints: the kill between step 10's save and step 20's; fsdp's sharded ones written
 # in the background: the kill while step 20's write, every part on disk, awaits its publication
 # (a kill -9 during an async save). Then the resumes on WORLDS' ranks, on 2 bit-identical
-FSDP_FLOOR = sharding.floor_problem()
+FSDP_FLOOR = parallel.floor_problem()
 SHARDED = [pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]  # the project's model
 WORLDS = {"ddp-full": (3, 1), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
 SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
@@ -261,8 +262,8 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
         assert job.wait(timeout=60) != 0
     finally:
         job.kill()
-    # ddp's resume on 2: test_faults.py (full checkpoints), test_shards.py (sharded ones, and on 1);
-    # fsdp's full checkpoints on another world size: test_sharding.py
+    # ddp's resume on 2: test_faults.py (full checkpoints), test_packs.py (sharded ones, and on 1);
+    # fsdp's full checkpoints on another world size: test_parallel.py
     for world in WORLDS[kind]:
         shutil.copytree(tmp_path / "killed", tmp_path / f"on{world}")
         resume = [FAULTY, *train_args(tmp_path / f"on{world}", *settings)[2:]]

@@ -8,11 +8,12 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from {{ cookiecutter.package_name }} import checkpoint, config, optim, sharded_checkpoint, train
-from {{ cookiecutter.package_name }}.checkpoint import TrainState
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, train
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, optim, sharded_checkpoint
+from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.model import build_model
-from {{ cookiecutter.package_name }}.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import export
 
 INFO = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")

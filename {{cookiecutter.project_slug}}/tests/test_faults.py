@@ -23,11 +23,13 @@ from conftest import (
 )
 from helpers import whole_checkpoint
 
-from {{ cookiecutter.package_name }} import checkpoint, config, optim, preemption, sharded_checkpoint, train
-from {{ cookiecutter.package_name }}.checkpoint import TrainState
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }} import config, train
+from {{ cookiecutter.package_name }}.base import preemption
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, optim, sharded_checkpoint
+from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.task import build_datasets, build_model
 from {{ cookiecutter.package_name }}.tools import export
 

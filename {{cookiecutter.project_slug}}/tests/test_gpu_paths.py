@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, needs_cuda, needs_gpus, project_env, run, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import dist, hardware
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }}.base import dist, hardware
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.tools import launch
 from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
@@ -50,9 +50,9 @@ def test_the_bf16_rule_matches_the_device():
 NO_CONTEXT_ON_GPU_0 = """
 import ctypes
 import torch
-from {{ cookiecutter.package_name }} import dist
-from {{ cookiecutter.package_name }} import hardware
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.base import dist
+from {{ cookiecutter.package_name }}.base import hardware
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
 
 info = DistInfo.from_env()
 problem = dist.device_problem(info)
@@ -85,9 +85,9 @@ def test_checking_and_binding_rank_1_opens_no_context_on_gpu_0(tmp_path):
 BOUND_BEFORE_INIT = """
 import torch
 import torch.distributed as torch_dist
-from {{ cookiecutter.package_name }} import dist
-from {{ cookiecutter.package_name }} import hardware
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }}.base import dist
+from {{ cookiecutter.package_name }}.base import hardware
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
 
 info = DistInfo.from_env()
 dist.init(info, timeout_minutes=2)

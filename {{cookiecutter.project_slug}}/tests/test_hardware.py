@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from {{ cookiecutter.package_name }} import hardware, train
-from {{ cookiecutter.package_name }}.hardware import Gpu
+from {{ cookiecutter.package_name }} import train
+from {{ cookiecutter.package_name }}.base import hardware
+from {{ cookiecutter.package_name }}.base.hardware import Gpu
 from {{ cookiecutter.package_name }}.tools import checks, diagnose
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import PROJECT, project_env
 
-from {{ cookiecutter.package_name }} import cpus, preemption
+from {{ cookiecutter.package_name }}.base import cpus, preemption
 from {{ cookiecutter.package_name }}.tools import launch
 from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 

@@ -14,8 +14,9 @@ from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, 
 from stand_ins import Progressions, Streams, install
 from torch.utils.data import Subset
 
-from {{ cookiecutter.package_name }} import config, records, task
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, task
+from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.tools import smoke
 
 SCRIPTS = PROJECT / "scripts"

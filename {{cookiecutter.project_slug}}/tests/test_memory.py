@@ -7,8 +7,9 @@ import torch
 from conftest import SMOKE_CONFIG
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from {{ cookiecutter.package_name }} import config, loaders, optim, sharding, task
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, task
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, optim, parallel
 from {{ cookiecutter.package_name }}.tools import diagnose
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
@@ -50,21 +51,21 @@ def test_the_optimizer_state_estimate_is_what_the_optimizer_allocates_at_its_fir
     optimizer.step()
     held = [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     shapes = [p.shape for p in model.parameters()]
-    assert sharding.optimizer_state_bytes(shapes, cfg.optim) == storage_bytes(held)
+    assert parallel.optimizer_state_bytes(shapes, cfg.optim) == storage_bytes(held)
     weights = sum(p.numel() for p in model.parameters())
-    assert sharding.state_bytes(shapes, cfg.optim, 1) == 8 * weights + storage_bytes(held)
+    assert parallel.state_bytes(shapes, cfg.optim, 1) == 8 * weights + storage_bytes(held)
     if "optim.momentum=0" in overrides:
         assert not held  # plain SGD keeps nothing
 
 
 def test_each_rank_holds_its_share_of_every_parameter_and_adafactor_its_factored_statistics():
     adamw = config.load(SMOKE_CONFIG).optim
-    assert sharding.state_bytes([torch.Size([10, 3])], adamw, 4) == 3 * 3 * (8 + 8) + 4  # rows 10 -> 3 a rank at most
+    assert parallel.state_bytes([torch.Size([10, 3])], adamw, 4) == 3 * 3 * (8 + 8) + 4  # rows 10 -> 3 a rank at most
     adafactor = config.load(SMOKE_CONFIG, ["optim.name=adafactor"]).optim
     # a (4096, 1024) matrix: 4096 row and 1024 column statistics, not 4M second moments
-    assert sharding.optimizer_state_bytes([(4096, 1024)], adafactor) == 4 * (4096 + 1024 + 1)
-    assert sharding.optimizer_state_bytes([(8, 4096, 1024)], adafactor) == 4 * (8 * 4096 + 8 * 1024 + 1)
-    assert sharding.optimizer_state_bytes([(4096, 1024)], config.load(SMOKE_CONFIG, ["optim.name=task"]).optim) is None
+    assert parallel.optimizer_state_bytes([(4096, 1024)], adafactor) == 4 * (4096 + 1024 + 1)
+    assert parallel.optimizer_state_bytes([(8, 4096, 1024)], adafactor) == 4 * (8 * 4096 + 8 * 1024 + 1)
+    assert parallel.optimizer_state_bytes([(4096, 1024)], config.load(SMOKE_CONFIG, ["optim.name=task"]).optim) is None
 
 
 def saved_by_forward(model, batch, parameters) -> int:
@@ -91,20 +92,20 @@ def test_the_activation_estimate_on_fake_tensors_is_what_a_real_forward_saves_wi
     with FakeTensorMode(allow_non_fake_inputs=True):  # as diagnose memory builds it: no memory
         diagnose.on_fake_cpu(fake)
         diagnose.gathered_in(fake, dtype)
-        estimate = sharding.saved_for_backward(fake, batch, sharding.units(fake), precision)
+        estimate = parallel.saved_for_backward(fake, batch, parallel.units(fake), precision)
     for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
         model = task.build_model(cfg)
         diagnose.gathered_in(model, dtype)  # as FSDP gathers them: BatchNorm's stay fp32
-        units = sharding.units(model)
-        sharding.checkpoint_activations(units, mode)
+        units = parallel.units(model)
+        parallel.checkpoint_activations(units, mode)
         parameters = {p.untyped_storage()._cdata for p in model.parameters()}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             measured = saved_by_forward(model, batch, parameters)
         # equal for plain torch models in fp32 (the language model's in bf16 too); fake tensors follow
         # torch's shape rules, which differ from a CPU kernel's in places (BatchNorm's saved statistics
         # under bf16), and a transformers model builds an explicit attention mask on them
-        assert estimate.kept_bytes(sharding.recomputed(units, mode)) == pytest.approx(measured, rel=0.1), mode
+        assert estimate.kept_bytes(parallel.recomputed(units, mode)) == pytest.approx(measured, rel=0.1), mode
     assert estimate.activation_bytes([]) == estimate.kept_bytes([])  # nothing recomputed: the forward's end is the peak
 
 
@@ -116,13 +117,13 @@ def test_diagnose_memory_says_what_fits_under_each_strategy_and_checkpointing_on
     with FakeTensorMode(allow_non_fake_inputs=True):  # the model's weights and activations take no memory
         diagnose.on_fake_cpu(fake)
         rows = {(row[0], row[1]): row[2:] for row in diagnose.memory_rows(cfg, fake, batch, 8)}
-        units = sharding.units(fake)
-        saved = sharding.saved_for_backward(fake, batch, units, "fp32")
+        units = parallel.units(fake)
+        saved = parallel.saved_for_backward(fake, batch, units, "fp32")
     ddp, fsdp = rows["ddp", "none"], rows["fsdp", "full"]
     steps = 4 * len(list(fake.parameters()))  # AdamW's step count, one a parameter tensor
     assert ddp[0] == 16 * params + steps  # fp32 weights, gradients and AdamW's two moments
     assert fsdp[0] < ddp[0] and rows["fsdp", "none"][1] == ddp[1] == saved.activation_bytes([])
-    assert fsdp[1] == saved.activation_bytes(sharding.recomputed(units, "full")) <= ddp[1]
+    assert fsdp[1] == saved.activation_bytes(parallel.recomputed(units, "full")) <= ddp[1]
     between = (sum(fsdp) + sum(ddp)) / 2 / 1e9  # ddp without checkpointing does not fit, fsdp with it does
     lines = diagnose.memory_estimate(cfg, 8, between).splitlines()
     assert lines[0].startswith(f"{params:,} parameters, {len(units)} FSDP units; optim.name=adamw")

@@ -9,11 +9,13 @@ from conftest import SMOKE_CONFIG, read_metrics
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DistributedSampler
 
-from {{ cookiecutter.package_name }} import config, metrics, profiling, records, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.metrics import Totals, TrainingLog, real_sample_mask
-from {{ cookiecutter.package_name }}.profiling import StepClock
-from {{ cookiecutter.package_name }}.samples import Throughput
+from {{ cookiecutter.package_name }} import config, train
+from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.batching import Throughput
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import metrics, profiling
+from {{ cookiecutter.package_name }}.loop.metrics import Totals, TrainingLog, real_sample_mask
+from {{ cookiecutter.package_name }}.loop.profiling import StepClock
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

@@ -24,7 +24,8 @@ from conftest import (
     wait_for,
 )
 
-from {{ cookiecutter.package_name }} import checkpoint, preemption
+from {{ cookiecutter.package_name }}.base import preemption
+from {{ cookiecutter.package_name }}.loop import checkpoint
 from {{ cookiecutter.package_name }}.tools import launch
 
 pytestmark = [

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import config, optim
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.loop import optim
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from conftest import PACKAGE, project_env
 # the command: runs CHILD through run_child and reports a stop in one line, as pack does
 COMMAND = f"""
 import sys
-from {PACKAGE} import processes
+from {PACKAGE}.base import processes
 stop = processes.StopSignals()
 try:
     code = processes.run_child([sys.executable, "-c", sys.argv[1]], stop)
@@ -26,7 +26,7 @@ sys.exit(code)
 # a child that starts a silent grandchild, then says it is ready and waits; a TERM ends both
 CHILD = f"""
 import subprocess, sys, time
-from {PACKAGE} import processes
+from {PACKAGE}.base import processes
 processes.end_group_on_term()
 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 print("ready", flush=True)

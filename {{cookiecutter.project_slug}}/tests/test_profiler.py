@@ -7,10 +7,10 @@ import torch
 from conftest import torchrun, train_args
 
 from {{ cookiecutter.package_name }} import config
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.profiling import profile_window
-from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop.profiling import profile_window
 
 
 def info(rank: int) -> DistInfo:

@@ -8,7 +8,7 @@ import yaml
 from conftest import PACKAGE, read_metrics, run, train_args
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

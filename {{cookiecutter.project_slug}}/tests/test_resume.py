@@ -17,9 +17,11 @@ import torch
 from conftest import SMOKE_CONFIG, read_metrics
 from torch.utils.data import Dataset, Subset
 
-from {{ cookiecutter.package_name }} import checkpoint, config, elastic, records, sharding, task, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.samples import num_samples
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.batching import num_samples
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 # exact and quick: fp32, no loader workers, no TensorBoard, every step logged
@@ -102,12 +104,12 @@ def as_written_by_two_ranks(path: Path) -> None:
 
 
 def with_noisy_units(build_model):
-    """`build_model` whose model's units (sharding.units: the task's or the default ones) scale their
+    """`build_model` whose model's units (parallel.units: the task's or the default ones) scale their
     output by a random factor drawn in their forward, as dropout draws its mask there."""
 
     def built(cfg):
         model = build_model(cfg)
-        for unit in sharding.units(model):
+        for unit in parallel.units(model):
             forward = unit.forward
             unit.forward = lambda *args, forward=forward, **kwargs: forward(*args, **kwargs) * (0.5 + torch.rand(()))
         return model

@@ -13,9 +13,11 @@ from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun
 from stand_ins import STAND_INS, Recurrent, RecurrentTask, install
 from torch.nn.parallel import DistributedDataParallel
 
-from {{ cookiecutter.package_name }} import config, loaders, preflight, records, sharding, task, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.samples import unwrap
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.batching import unwrap
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, parallel, preflight
 from {{ cookiecutter.package_name }}.tools import diagnose, smoke
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
@@ -84,7 +86,7 @@ def test_a_task_that_reads_its_module_off_the_wrapped_model_stops_before_trainin
 def test_the_proofs_and_the_smoke_check_hold_on_two_ranks_for_a_model_that_needs_a_state_and_one_of_keywords(
     tmp_path,
 ):
-    sharded = not sharding.floor_problem()  # the sharded loop's too: these models shard, in any project
+    sharded = not parallel.floor_problem()  # the sharded loop's too: these models shard, in any project
     launch = [str(PROJECT / "tests" / "stand_ins.py"), str(tmp_path), *(["--fsdp"] if sharded else [])]
     result = torchrun(*launch, timeout=240, check=False)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]

@@ -18,9 +18,10 @@ from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun,
 from safetensors.torch import load_file
 from test_faults import FAULTY, INFO, SETTINGS, final_state, small_run, worker_pid
 
-from {{ cookiecutter.package_name }} import checkpoint, sharded_checkpoint, train
-from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }} import train
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, sharded_checkpoint
 from {{ cookiecutter.package_name }}.tools import export, smoke
 
 SHARDED = SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"format": "sharded"}}

@@ -7,9 +7,11 @@ import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args
 
-from {{ cookiecutter.package_name }} import config, loaders, preflight, samples, task, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.preflight import TaskError
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import batching
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, preflight
+from {{ cookiecutter.package_name }}.loop.preflight import TaskError
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
@@ -39,7 +41,7 @@ def test_the_default_task_passes_its_own_preflight(pieces):
 
 def test_loss_is_a_sum_and_eval_sums_are_per_sample(pieces):
     model, (train_set, train_loader), _ = pieces
-    batch = samples.first_samples(train_set, train_loader, 4)
+    batch = batching.first_samples(train_set, train_loader, 4)
     mean = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
     assert torch.allclose(task.loss_sum(model, batch), 4 * mean) and task.count_terms(batch) == 4
     sums = task.eval_sums(model, batch)
@@ -102,7 +104,7 @@ def test_a_declared_terms_per_sample_that_count_terms_contradicts_is_named(piece
 
 def test_fixed_terms_per_sample_need_no_collective_and_are_checked_every_step(pieces, monkeypatch):
     _, (train_set, train_loader), _ = pieces
-    batches = [samples.first_samples(train_set, train_loader, 4), samples.first_samples(train_set, train_loader, 4)]
+    batches = [batching.first_samples(train_set, train_loader, 4), batching.first_samples(train_set, train_loader, 4)]
     world = DistInfo(0, 0, 4, 4, torch.device("cpu"), "gloo")
     collectives = []
     monkeypatch.setattr(train.dist, "all_reduce_sum", lambda tensor: collectives.append(tensor) or tensor * 4)

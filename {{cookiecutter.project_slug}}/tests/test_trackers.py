@@ -38,10 +38,12 @@ from conftest import (
     wait_for,
 )
 
-from {{ cookiecutter.package_name }} import checkpoint, config, preemption, records, tracking
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.base import preemption, records
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, tracking
 
 needs_mlflow = pytest.mark.skipif(
     importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed: pip install -e '.[mlflow]'"

@@ -23,19 +23,11 @@ from conftest import (
 )
 from torch.utils.data import default_collate
 
-from {{ cookiecutter.package_name }} import (
-    checkpoint,
-    config,
-    dist,
-    hardware,
-    preemption,
-    records,
-    sharding,
-    task,
-    train,
-)
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import dist, hardware, preemption, records
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.loop import checkpoint, parallel
 from {{ cookiecutter.package_name }}.task import build_model
 from {{ cookiecutter.package_name }}.tools import evaluate
 
@@ -274,9 +266,9 @@ def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(prec
     cfg = config.load(SMOKE_CONFIG, [f"train.precision={precision}"])
     model = torch.nn.Linear(1000, 1000, bias=False)  # 1,000,000 parameters
     # P28: DDP holds all of it; AdamW's step count is 4 bytes a parameter tensor
-    assert sharding.static_memory_bytes(model, [], cfg, 8) == 1_000_000 * per_param + 4
+    assert parallel.static_memory_bytes(model, [], cfg, 8) == 1_000_000 * per_param + 4
     sgd = config.load(SMOKE_CONFIG, [f"train.precision={precision}", "optim.name=sgd"])
-    assert sharding.static_memory_bytes(model, [], sgd, 8) == 1_000_000 * (per_param - 4)  # one momentum buffer
+    assert parallel.static_memory_bytes(model, [], sgd, 8) == 1_000_000 * (per_param - 4)  # one momentum buffer
 
 
 def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():
@@ -323,8 +315,8 @@ def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
 def test_settings_this_machine_or_each_other_refuse_stop_the_run_with_one_line_before_it_starts(
     tmp_path, capsys, overrides, line
 ):
-    if "parallel.strategy=fsdp" in overrides and sharding.floor_problem():
-        pytest.skip(sharding.floor_problem())
+    if "parallel.strategy=fsdp" in overrides and parallel.floor_problem():
+        pytest.skip(parallel.floor_problem())
     with pytest.raises(SystemExit) as stopped:
         train.main(["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}", "data.num_workers=0", *overrides])
     errors = capsys.readouterr().err.splitlines()
@@ -335,6 +327,6 @@ def test_settings_this_machine_or_each_other_refuse_stop_the_run_with_one_line_b
 def test_cpu_offload_runs_the_process_group_with_gloo_beside_nccl():
     on_gpus = DistInfo(0, 0, 2, 2, torch.device("cuda", 0), "nccl")
     offload = config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp", "parallel.cpu_offload=true"])
-    assert sharding.with_backend(offload, on_gpus).backend == "cpu:gloo,cuda:nccl"  # clipping's norm, the CPU step
+    assert parallel.with_backend(offload, on_gpus).backend == "cpu:gloo,cuda:nccl"  # clipping's norm, the CPU step
     for unchanged in (config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp"]), config.load(SMOKE_CONFIG)):
-        assert sharding.with_backend(unchanged, on_gpus) == on_gpus
+        assert parallel.with_backend(unchanged, on_gpus) == on_gpus

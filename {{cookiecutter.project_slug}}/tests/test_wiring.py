@@ -15,10 +15,12 @@ from conftest import SMOKE_CONFIG, read_metrics
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Subset
 
-from {{ cookiecutter.package_name }} import checkpoint, config, loaders, records, sharded_checkpoint, task, train
-from {{ cookiecutter.package_name }}.checkpoint import TrainState
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rundir import RunDir
+from {{ cookiecutter.package_name }} import config, task, train
+from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, sharded_checkpoint
+from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 SHARDED_FLOOR = sharded_checkpoint.floor_problem()

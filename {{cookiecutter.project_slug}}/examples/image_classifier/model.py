@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .rules import PositiveInt
+from .base.rules import PositiveInt
 
 if TYPE_CHECKING:
     from .config import Config

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Dataset
 
-from .rules import PositiveInt
+from .base.rules import PositiveInt
 
 if TYPE_CHECKING:
     from .config import Config

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import PositiveInt
+from .base.rules import PositiveInt
 
 if TYPE_CHECKING:
     from .config import Config

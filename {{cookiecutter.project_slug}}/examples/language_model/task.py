@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base.batching import Throughput
+from .base.batching import move_to as to_device
 from .data import IGNORE, build_datasets
 from .model import build_model
-from .samples import Throughput
-from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from .rules import PositiveInt
+from .base.rules import PositiveInt
 
 if TYPE_CHECKING:
     from .config import Config

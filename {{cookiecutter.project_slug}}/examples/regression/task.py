@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .base.batching import Throughput
+from .base.batching import move_to as to_device
 from .data import build_datasets
 from .model import build_model
-from .samples import Throughput
-from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

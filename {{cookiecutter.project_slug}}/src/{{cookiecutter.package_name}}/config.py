@@ -27,13 +27,13 @@ from typing import Annotated, Literal
 
 import yaml
 
-from . import typed_config
+from .base import typed_config
+from .base.rules import ConfigError as ConfigError
+from .base.rules import PositiveFloat, PositiveInt, Rule, exit_on_user_error
+from .base.rundir import RunDir
+from .base.typed_config import EXTENDS, layers, load_tree, merge, parse_override, set_path, type_problem, yaml_scalar
 from .data import DatasetConfig
 from .model import ModelConfig
-from .rules import ConfigError as ConfigError  # the error of every setting, as config.ConfigError too
-from .rules import PositiveFloat, PositiveInt, Rule, exit_on_user_error
-from .rundir import RunDir
-from .typed_config import EXTENDS, layers, load_tree, merge, parse_override, set_path, type_problem, yaml_scalar
 
 Precision = Literal["bf16", "fp16", "fp32"]
 LrScaling = Literal["auto", "linear", "sqrt", "none"]

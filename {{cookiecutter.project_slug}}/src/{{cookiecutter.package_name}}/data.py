@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import torch
 from torch.utils.data import Dataset
 
-from .rules import PositiveInt, at_least
+from .base.rules import PositiveInt, at_least
 
 if TYPE_CHECKING:
     from .config import Config

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from .rules import PositiveInt
+from .base.rules import PositiveInt
 
 if TYPE_CHECKING:
     from .config import Config

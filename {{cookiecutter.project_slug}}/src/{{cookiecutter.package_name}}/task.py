@@ -28,7 +28,7 @@ and, optionally, for a model sharded over the ranks (parallel.strategy=fsdp) or 
                                  a module holding a tied weight stays out of them (the root keeps it);
                                  None or no function: the largest ModuleList's children, else the model's
 
-and, optionally, for packed shards (the pack command, then data.shards; see shards.py):
+and, optionally, for packed shards (the pack command, then data.shards; see packs.py):
 
     build_records(cfg)        -> (train, eval) sets of the raw records a pack stores (encoded images, ...);
                                  without it the pack stores build_datasets' samples as they are
@@ -54,7 +54,7 @@ the loop wrapped it: DDP around your module (around torch.compile's, with train.
 module sharded in place under parallel.strategy=fsdp, your module in a world of one, and before
 training, on the CPU, a wrapper that stands for them. Call the model itself to run it: the
 wrapper's forward is what reduces gradients (DDP) and gathers shards (FSDP). Read your module's
-attributes and call its other methods through `unwrap(model)` (from samples.py), the one way to
+attributes and call its other methods through `unwrap(model)` (from batching.py), the one way to
 reach it under every wrapper: `unwrap(model).init_hidden(len(batch))`; make such a state on the
 batch's device rather than from a parameter, which under fsdp is a shard. `throughput` and
 `shard_units` get your module itself.
@@ -68,10 +68,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base.batching import Throughput
+from .base.batching import move_to as to_device
 from .data import build_datasets
 from .model import build_model
-from .samples import Throughput
-from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

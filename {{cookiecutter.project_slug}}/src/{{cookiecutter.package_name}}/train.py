@@ -26,31 +26,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-from . import (
-    checkpoint,
-    config,
-    cpus,
-    dist,
-    elastic,
-    hardware,
-    loaders,
-    optim,
-    preemption,
-    records,
-    sharded_checkpoint,
-    sharding,
-    task,
-    tensorboard,
-    tracking,
-)
-from .checkpoint import TrainState
+from . import config, task
+from .base import cpus, dist, hardware, preemption, records
+from .base.batching import num_samples
+from .base.dist import DistInfo
+from .base.rules import ConfigError, exit_on_user_error
 from .config import Config
-from .dist import DistInfo
-from .metrics import Totals, TrainingLog, Window, real_sample_mask
-from .preflight import check_declared_terms, check_task
-from .profiling import ProfileWindow, StepClock, profile_window
-from .rules import ConfigError, exit_on_user_error
-from .samples import num_samples
+from .loop import checkpoint, elastic, loaders, optim, parallel, sharded_checkpoint, tensorboard, tracking
+from .loop.checkpoint import TrainState
+from .loop.metrics import Totals, TrainingLog, Window, real_sample_mask
+from .loop.preflight import check_declared_terms, check_task
+from .loop.profiling import ProfileWindow, StepClock, profile_window
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -75,11 +61,11 @@ def main(argv=None) -> int:
         cfg, sources = config.compose(config.files(args.config), args.overrides)
         check_hardware(cfg, info)
         optim.check(cfg)
-        sharding.check(cfg, info.device)
+        parallel.check(cfg, info.device)
         checkpoint.check(config.to_dict(cfg))
         tensorboard.check(cfg.run.tensorboard)
         tracking.check(cfg.run.trackers)
-    info = sharding.with_backend(cfg, info)
+    info = parallel.with_backend(cfg, info)
     trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
     for line in (sources.describe(), sources.renamed_note()):
         if line:
@@ -186,7 +172,7 @@ def build(cfg: Config, info: DistInfo) -> Job:
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
     # the seam names units in the model as built: fully_shard changes their classes (FSDPBlock)
-    units = sharding.units(raw_model) if cfg.parallel.strategy == "fsdp" else []
+    units = parallel.units(raw_model) if cfg.parallel.strategy == "fsdp" else []
     model = wrap(raw_model, cfg, info)
     loaders.check_equal_lengths(len(train_loader), info)
 
@@ -216,8 +202,8 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
         dist.print0(info, f"note: parallel.sync_batchnorm is on but unused: {why}; BatchNorm stays per-rank")
     model.to(info.device)
     sharded = cfg.parallel.strategy == "fsdp" and info.distributed
-    units = sharding.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []
-    left_out = sharding.checkpoint_activations(units, cfg.parallel.activation_checkpointing)
+    units = parallel.units(model) if sharded or cfg.parallel.activation_checkpointing != "none" else []
+    left_out = parallel.checkpoint_activations(units, cfg.parallel.activation_checkpointing)
     if left_out:
         dist.print0(info, f"note: {len(left_out)} units hold BatchNorm and keep their activations (no recompute)")
     if cfg.train.compile:
@@ -230,7 +216,7 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
         else:
             model = torch.compile(model)
     if sharded:
-        model = sharding.shard(model, units, cfg, info)
+        model = parallel.shard(model, units, cfg, info)
     elif info.distributed:
         model = DDP(
             model,
@@ -368,7 +354,7 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     total = torch.zeros((), device=info.device)
     for index, batch in enumerate(micro_batches):
         syncs = index == len(micro_batches) - 1  # the last micro-batch always reduces
-        with sharding.micro_batch(job.model, syncs, cfg, info):
+        with parallel.micro_batch(job.model, syncs, cfg, info):
             with autocast(cfg, info):
                 loss_sum = task.loss_sum(job.model, task.to_device(batch, info.device))
             job.state.scaler.scale(loss_sum * loss_scale).backward()
@@ -529,7 +515,7 @@ def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Mo
     """The static memory per device (weights, gradients, optimizer state) under the run's strategy,
     the model sharded in `units` under fsdp."""
     bare = dist.bare(model)
-    mib = sharding.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
+    mib = parallel.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
     whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
     if cfg.parallel.strategy == "ddp":
         return f"strategy ddp: {whole}"
@@ -537,7 +523,7 @@ def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Mo
         return f"strategy fsdp in a world of one, nothing to shard: {whole}"
     return (
         f"strategy fsdp on {info.world_size} ranks, {len(units)} units: static memory per device ~{mib:.1f} MiB "
-        f"(a 1/{info.world_size} share, {sharding.gathered(cfg)})"
+        f"(a 1/{info.world_size} share, {parallel.gathered(cfg)})"
     )
 
 

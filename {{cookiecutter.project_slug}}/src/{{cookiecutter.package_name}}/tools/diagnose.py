@@ -23,13 +23,15 @@ from pathlib import Path
 
 import torch
 
-from .. import config, cpus, hardware, loaders, processes, records, samples, sharding, task
+from .. import config, task
+from ..base import batching, cpus, hardware, processes, records
+from ..base.dist import DistInfo
+from ..base.hardware import Gpu
+from ..base.rules import exit_on_user_error
+from ..base.rundir import RunDir
 from ..config import Config
-from ..dist import DistInfo
-from ..hardware import Gpu
-from ..profiling import SPLIT
-from ..rules import exit_on_user_error
-from ..rundir import RunDir
+from ..loop import loaders, parallel
+from ..loop.profiling import SPLIT
 from . import checks, launch
 from .checks import FAIL, PASS, WARN
 
@@ -257,27 +259,27 @@ def memory_rows(cfg: Config, model: torch.nn.Module, batch, ranks: int) -> list[
     devices: the weights, gradients and optimizer state, and the most activation memory one
     micro-batch holds for backward, traced on `batch` through task.loss_sum. `model` and `batch`
     may be fake tensors (memory_estimate): any size is measured without its memory."""
-    units, rows = sharding.units(model), []
+    units, rows = parallel.units(model), []
     for strategy in ("ddp", "fsdp"):
         setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
-        static = sharding.static_memory_bytes(model, units, setting, ranks)
-        if strategy == "fsdp" and cfg.train.precision in sharding.LOW_PRECISION:
-            gathered_in(model, sharding.LOW_PRECISION[cfg.train.precision])  # FSDP's param_dtype
-        saved = sharding.saved_for_backward(model, batch, units, cfg.train.precision)
+        static = parallel.static_memory_bytes(model, units, setting, ranks)
+        if strategy == "fsdp" and cfg.train.precision in parallel.LOW_PRECISION:
+            gathered_in(model, parallel.LOW_PRECISION[cfg.train.precision])  # FSDP's param_dtype
+        saved = parallel.saved_for_backward(model, batch, units, cfg.train.precision)
         for mode in ("none", "selective", "full"):
-            rows.append((strategy, mode, static, saved.activation_bytes(sharding.recomputed(units, mode))))
+            rows.append((strategy, mode, static, saved.activation_bytes(parallel.recomputed(units, mode))))
     return rows
 
 
 def memory_report(cfg: Config, model: torch.nn.Module, batch, ranks: int, gpu_gb: float) -> str:
     """memory_rows in words, and whether each total fits a `gpu_gb` device."""
-    units = sharding.units(model)
+    units = parallel.units(model)
     params = sum(p.numel() for p in model.parameters())
-    state = sharding.optimizer_state_bytes([p.shape for p in model.parameters()], cfg.optim)
+    state = parallel.optimizer_state_bytes([p.shape for p in model.parameters()], cfg.optim)
     optimizer = f"optim.name={cfg.optim.name}" + ("" if state is not None else " (its state not counted)")
     lines = [
         f"{params:,} parameters, {len(units)} FSDP units; {optimizer}, train.precision={cfg.train.precision}; "
-        f"a micro-batch {samples.describe(batch)}",
+        f"a micro-batch {batching.describe(batch)}",
         "per device: static (weights, gradients, optimizer state) + activations held for backward = total",
     ]
     for strategy, mode, static, activations in memory_rows(cfg, model, batch, ranks):
@@ -296,7 +298,7 @@ def gb(size: int) -> str:
 
 
 def gathered_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """The parameters in the dtype FSDP gathers them in (BatchNorm's stay fp32, as sharding.shard keeps them)."""
+    """The parameters in the dtype FSDP gathers them in (BatchNorm's stay fp32, as parallel.shard keeps them)."""
     for module in model.modules():
         if not isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             for param in module.parameters(recurse=False):

@@ -19,11 +19,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import checkpoint, config, cpus, dist, loaders, metrics, task, train
+from .. import config, task, train
+from ..base import cpus, dist
+from ..base.dist import DistInfo
+from ..base.rules import ConfigError, exit_on_user_error
+from ..base.rundir import RunDir
 from ..config import Config
-from ..dist import DistInfo
-from ..rules import ConfigError, exit_on_user_error
-from ..rundir import RunDir
+from ..loop import checkpoint, loaders, metrics
 
 
 def parse_args(argv=None) -> argparse.Namespace:

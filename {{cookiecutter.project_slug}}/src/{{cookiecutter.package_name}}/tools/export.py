@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, extras, task
+from .. import task
+from ..base import extras
+from ..base.rules import ConfigError, exit_on_user_error
 from ..config import Config, from_dict
-from ..rules import ConfigError, exit_on_user_error
+from ..loop import checkpoint
 
 # how to load each export format for inference; neither needs this project's code
 LOADERS = {

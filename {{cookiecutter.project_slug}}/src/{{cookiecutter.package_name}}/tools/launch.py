@@ -39,16 +39,9 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..cpus import positive_int, threads_per_rank, usable_cpus
-from ..preemption import (
-    MARKER_ENV,
-    PREEMPTED_EXIT_CODE,
-    STOP_SIGNALS,
-    WORKER_STOP_SIGNAL,
-    exit_status,
-    handles,
-)
-from ..rendezvous import FRESH_STORE_ENV
+from ..base.cpus import positive_int, threads_per_rank, usable_cpus
+from ..base.preemption import MARKER_ENV, PREEMPTED_EXIT_CODE, STOP_SIGNALS, WORKER_STOP_SIGNAL, exit_status, handles
+from ..base.rendezvous import FRESH_STORE_ENV
 
 DEFAULT_MASTER_PORT = 29622  # a static rendezvous's default: away from the crowded 29500
 RESEND_SECONDS = 1.0  # how often workers that torchrun (re)starts after a stop request are looked for
@@ -259,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for sig in STOP_SIGNALS:  # before the slow imports: PID 1 of a container drops unhandled signals
             signal.signal(sig, stop_before_start)
-        from ..hardware import visible_gpus  # imports torch
+        from ..base.hardware import visible_gpus
 
         command, env = prepare(args, os.environ, visible_gpus(), usable_cpus())
     except LaunchError as err:

@@ -11,7 +11,7 @@ dataset sorted by class or a text in order would otherwise give chunks of one cl
 passage, and a run reading chunk by chunk from object storage batches of them). pack.json, with
 what the seam's pack_facts(cfg) returns (class names, a vocabulary size), is written last.
 
-The packing runs in a process of its own (packer.py) in a session of its own, and this command
+The packing runs in a process of its own (pack_writer.py) in a session of its own, and this command
 stays with it: a stop (Ctrl-C, TERM, HUP) at any moment ends the packer and every process it
 started, removes what it wrote and exits 130, 143 or 129 after one line; OUT gets nothing (a
 folder is packed into OUT.partial and renamed at the end; a URL gets pack.json last, and
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import processes
+from ..base import processes
 
 PARTIAL_SUFFIX = ".partial"  # a folder is packed beside OUT, then renamed to OUT
 
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="pack-"))  # this pack's alone: litdata's caches, a URL's staging
     stage = staging(args.out, workdir)
     command, env = processes.module_command(
-        f"{__package__}.packer", *argv, "--stage", str(stage), "--workdir", str(workdir)
+        f"{__package__}.pack_writer", *argv, "--stage", str(stage), "--workdir", str(workdir)
     )
     try:
         code = processes.run_child(command, stop, env=env)

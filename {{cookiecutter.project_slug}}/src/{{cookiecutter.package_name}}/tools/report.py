@@ -18,11 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from .. import extras, records, task
+from .. import task
+from ..base import extras, records
+from ..base.rules import ConfigError, exit_on_user_error
+from ..base.rundir import RunDir
 from ..config import upgrade
-from ..profiling import SPLIT
-from ..rules import ConfigError, exit_on_user_error
-from ..rundir import RunDir
+from ..loop.profiling import SPLIT
 
 SETTINGS = (  # always shown; any other setting that differs between the runs compared is shown too
     "data.batch_size",

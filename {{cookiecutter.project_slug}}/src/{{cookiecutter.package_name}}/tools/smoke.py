@@ -25,10 +25,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
-from .. import checkpoint, config, dist, hardware, loaders, preemption, records, sharding, task, train
-from ..dist import DistInfo
-from ..rules import exit_on_user_error
-from ..samples import elements
+from .. import config, task, train
+from ..base import dist, hardware, preemption, records
+from ..base.batching import elements
+from ..base.dist import DistInfo
+from ..base.rules import exit_on_user_error
+from ..loop import checkpoint, loaders, parallel
 from . import checks
 from .checks import FAIL, INFO, PASS, SKIP
 
@@ -286,9 +288,9 @@ def main(argv=None) -> int:
     with exit_on_user_error():
         cfg = config.load(config.files(args.config), [*SMOKE_RUN, *args.overrides])
         train.check_hardware(cfg, info)
-        sharding.check(cfg, info.device)
+        parallel.check(cfg, info.device)
         checkpoint.check(config.to_dict(cfg))  # the round trip saves as the run would
-    info = sharding.with_backend(cfg, info)
+    info = parallel.with_backend(cfg, info)
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
 
 

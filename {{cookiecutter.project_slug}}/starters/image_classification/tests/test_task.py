@@ -12,8 +12,10 @@ from conftest import PACKAGE, SMOKE_CONFIG, read_metrics, run, torchrun, train_a
 from PIL import Image
 from test_faults import assert_bit_identical, final_state
 
-from {{ cookiecutter.package_name }} import config, data, loaders, model, preflight, samples, shapes, task, train
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, data, model, shapes, task, train
+from {{ cookiecutter.package_name }}.base import batching
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, preflight
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 LAST_EPOCH = 160  # the step the sample's 5th epoch starts at: 40 steps of 2 x 16 images an epoch
@@ -45,7 +47,7 @@ def test_the_seam_sums_the_loss_and_counts_top1_and_top5_per_image(tree):
     train_set, eval_set = task.build_datasets(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
     preflight.check_task(net, (train_set, train_loader), (eval_set, eval_loader))
-    images, labels = batch = samples.first_samples(eval_set, eval_loader, 4)
+    images, labels = batch = batching.first_samples(eval_set, eval_loader, 4)
     assert images.shape == (4, 3, 32, 32) and labels.tolist() == [0, 0, 0, 1]  # classes: sorted folder names
     assert train_set.folder.classes == eval_set.classes == list(shapes.SHAPES)
     net.eval()

@@ -15,8 +15,10 @@ import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args
 from test_faults import assert_bit_identical, final_state
 
-from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, sharding, task
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, data, task
+from {{ cookiecutter.package_name }}.base import batching
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, parallel, preflight
 from {{ cookiecutter.package_name }}.model import training_flops_per_token
 from {{ cookiecutter.package_name }}.tools import prepare, sample
 
@@ -45,7 +47,7 @@ def test_the_seam_sums_the_loss_over_tokens_and_passes_its_preflight():
     train_set, eval_set = task.build_datasets(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
     preflight.check_task(model, (train_set, train_loader), (eval_set, eval_loader))
-    batch = samples.first_samples(train_set, train_loader, 3)
+    batch = batching.first_samples(train_set, train_loader, 3)
     logits = model(batch[0])
     mean = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
     assert task.count_terms(batch) == 3 * cfg.model.context
@@ -237,7 +239,7 @@ def test_prepare_train_and_sample_on_real_text(tmp_path):
     assert sample.load(tmp_path / "lm-shards", torch.device("cpu"))[1].decode(tokenizer.encode("def ")) == "def "
 
 
-needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
+needs_fsdp = pytest.mark.skipif(bool(parallel.floor_problem()), reason=parallel.floor_problem() or "")
 
 
 @needs_fsdp

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Annotated
 import torch
 from torch.utils.data import Dataset
 
-from . import shards
-from .rules import ConfigError, PositiveInt, Rule
+from .base import packs
+from .base.rules import ConfigError, PositiveInt, Rule
 from .shapes import sample_root
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _has_image(folder: Path) -> bool:
 
 def class_names(cfg: Config) -> list[str]:
     if cfg.data.shards is not None:
-        return shards.facts(cfg)["classes"]
+        return packs.facts(cfg)["classes"]
     return sorted(entry.name for entry in os.scandir(image_root(cfg) / "train") if entry.is_dir())
 
 

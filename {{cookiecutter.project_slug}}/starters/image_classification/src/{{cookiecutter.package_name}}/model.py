@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .base.rules import ConfigError
 from .data import class_names
-from .rules import ConfigError
 
 if TYPE_CHECKING:
     from .config import Config

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base.batching import Throughput
 from .data import build_datasets, build_records, class_names, from_records, pack_facts
 from .model import build_model, image_layout, training_flops_per_image
-from .samples import Throughput
 
 if TYPE_CHECKING:
     from .config import Config

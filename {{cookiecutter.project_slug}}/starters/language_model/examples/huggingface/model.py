@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from torch import nn
 
+from .base.rules import ConfigError, PositiveInt, Rule
 from .data import vocabulary_size
-from .rules import ConfigError, PositiveInt, Rule
 
 if TYPE_CHECKING:
     from .config import Config

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base.batching import Throughput
+from .base.batching import move_to as to_device
 from .data import build_datasets, build_records, from_records, pack_facts, tokenizer_file
 from .model import build_model, training_flops_per_token
-from .samples import Throughput
-from .samples import move_to as to_device
 
 if TYPE_CHECKING:
     from .config import Config

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from . import shards
-from .rules import ConfigError, Rule
+from .base import packs
+from .base.rules import ConfigError, Rule
 
 if TYPE_CHECKING:
     from .config import Config
@@ -135,7 +135,7 @@ def read_meta(directory: str | Path) -> dict:
 
 def vocabulary_size(cfg: Config) -> int:
     if cfg.data.shards is not None:
-        return int(shards.facts(cfg)["vocabulary_size"])
+        return int(packs.facts(cfg)["vocabulary_size"])
     return BYTE_VOCABULARY if cfg.dataset.dir is None else int(read_meta(cfg.dataset.dir)["vocabulary_size"])
 
 
@@ -166,7 +166,7 @@ def build_records(cfg: Config) -> tuple[Dataset, Dataset]:
 
 def from_records(cfg: Config, train: Dataset, evaluation: Dataset) -> tuple[Dataset, Dataset]:
     """(inputs, targets) samples of packed windows, which must have been cut for this model.context."""
-    packed = shards.facts(cfg)["context"]
+    packed = packs.facts(cfg)["context"]
     if packed != cfg.model.context:
         raise ConfigError(
             f"model.context: {cfg.data.shards} holds windows for model.context={packed}, not {cfg.model.context}; "
@@ -179,7 +179,7 @@ def tokenizer_name(cfg: Config) -> str:
     """The tokenizer the windows were cut with, as prepare.py records it: bytes, MODULE:ATTRIBUTE,
     or the absolute path of the tokenizer.json in the data directory."""
     if cfg.data.shards is not None:
-        return shards.facts(cfg)["tokenizer"]
+        return packs.facts(cfg)["tokenizer"]
     if cfg.dataset.dir is None:
         return BYTES
     name = read_meta(cfg.dataset.dir)["tokenizer"]

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base.rules import ConfigError, PositiveInt, Rule
 from .data import vocabulary_size
-from .rules import ConfigError, PositiveInt, Rule
 
 if TYPE_CHECKING:
     from .config import Config

@@ -14,8 +14,10 @@ import pytest
 import torch
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics
 
-from {{ cookiecutter.package_name }} import config, data, loaders, preflight, samples, sharding, task
-from {{ cookiecutter.package_name }}.dist import DistInfo
+from {{ cookiecutter.package_name }} import config, data, task
+from {{ cookiecutter.package_name }}.base import batching
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import loaders, parallel, preflight
 from {{ cookiecutter.package_name }}.model import training_flops_per_token
 from {{ cookiecutter.package_name }}.tools import diagnose
 
@@ -40,7 +42,7 @@ def test_the_seam_calls_the_model_with_keyword_arguments_and_sums_the_loss_over_
     train_set, eval_set = task.build_datasets(cfg)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, CPU, 0)
     preflight.check_task(model, (train_set, train_loader), (eval_set, eval_loader))
-    batch = samples.first_samples(train_set, train_loader, 3)
+    batch = batching.first_samples(train_set, train_loader, 3)
     logits = model(input_ids=batch[0]).logits
     mean = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
     assert task.count_terms(batch) == 3 * cfg.model.context
@@ -52,9 +54,9 @@ def test_the_seam_calls_the_model_with_keyword_arguments_and_sums_the_loss_over_
 def test_the_embeddings_are_tied_in_the_roots_group_and_the_decoder_layers_are_the_units():
     model = task.build_model(small_config())
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    units = sharding.units(model)
+    units = parallel.units(model)
     assert units == list(model.model.layers) and {type(u).__name__ for u in units} == set(model._no_split_modules)
-    assert sharding.split_parameter(model, units) is None  # no unit holds the tied matrix
+    assert parallel.split_parameter(model, units) is None  # no unit holds the tied matrix
     untied = task.build_model(small_config("model.tie_embeddings=false"))
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
@@ -76,7 +78,7 @@ def test_gpt2_builds_from_the_same_settings_and_a_config_file_from_its_own(tmp_p
     gpt2 = task.build_model(small_config("model.model_type=gpt2"))
     assert isinstance(gpt2, transformers.GPT2LMHeadModel) and gpt2.config.n_embd == 64 and gpt2.config.n_layer == 2
     assert gpt2.config.resid_pdrop == 0.0 and gpt2.config.eos_token_id is None  # no id beyond the byte vocabulary
-    assert {type(u).__name__ for u in sharding.units(gpt2)} == {"GPT2Block"}
+    assert {type(u).__name__ for u in parallel.units(gpt2)} == {"GPT2Block"}
     assert torch.isfinite(task.loss_sum(gpt2, first_batch(small_config())))
 
     own = transformers.LlamaConfig(

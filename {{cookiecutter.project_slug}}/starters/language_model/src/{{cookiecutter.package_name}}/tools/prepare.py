@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import data, extras
-from ..rules import ConfigError, exit_on_user_error
+from .. import data
+from ..base import extras
+from ..base.rules import ConfigError, exit_on_user_error
 
 # what this command writes for: the starter's data.py; after a swap of data.py it says so in one line
 STARTER_DATA = ("BYTE_VOCABULARY", "BYTES", "META", "SPLITS", "TOKENIZER_FILE", "built_in_corpus", "tokenizer_name")

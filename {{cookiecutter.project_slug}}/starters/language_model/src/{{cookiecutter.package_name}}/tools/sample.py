@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .. import checkpoint, config, data, task
-from ..rules import ConfigError, exit_on_user_error
+from .. import config, data, task
+from ..base.rules import ConfigError, exit_on_user_error
+from ..loop import checkpoint
 from .export import launched_from
 from .prepare import check_starter_data, load_tokenizer
 

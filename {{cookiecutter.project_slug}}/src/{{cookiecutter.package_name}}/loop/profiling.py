@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from .dist import DistInfo, print0
-from .rundir import RunDir
+from ..base.dist import DistInfo, print0
+from ..base.rundir import RunDir
 
 PHASES = {"data_wait": "data wait", "fwd_bwd": "forward+backward", "optimizer": "optimizer"}  # timed per step
 # a step's time as metrics.jsonl splits it: the phases, and the rest (logging, checkpoints, the loop)

@@ -68,7 +68,7 @@ class StopSignals:
 def module_command(module: str, *args: str) -> tuple[list[str], dict]:
     """(command line, environment) that run `python -m module args` with this package importable
     however this process found it (installed, PYTHONPATH, or the current directory)."""
-    source = str(Path(__file__).resolve().parents[1])  # the directory that holds the package
+    source = str(Path(__file__).resolve().parents[2])  # the directory that holds the package
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
     return [sys.executable, "-m", module, *args], env
 

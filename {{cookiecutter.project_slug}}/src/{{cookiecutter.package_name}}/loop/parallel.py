@@ -25,12 +25,13 @@ from torch import nn
 from torch.utils import _pytree
 from torch.utils.checkpoint import checkpoint
 
-from . import dist, task
-from .rules import ConfigError
+from .. import task
+from ..base import dist
+from ..base.rules import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Config, OptimConfig
-    from .dist import DistInfo
+    from ..base.dist import DistInfo
+    from ..config import Config, OptimConfig
 
 FSDP_FLOOR = (2, 8)  # gloo refuses FSDP's averaging reduce-scatter (ReduceOp.AVG) before 2.8
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from . import records
-from .dist import DistInfo, all_reduce_sum
-from .samples import Throughput
+from ..base import records
+from ..base.batching import Throughput
+from ..base.dist import DistInfo, all_reduce_sum
 
 if TYPE_CHECKING:
     from .tensorboard import Board

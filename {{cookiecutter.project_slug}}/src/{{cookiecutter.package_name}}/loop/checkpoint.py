@@ -24,11 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import dist, sharded_checkpoint, shards
-from .config import renamed_note, upgrade
-from .dist import DistInfo
-from .rules import ConfigError
-from .rundir import RunDir
+from ..base import dist, packs
+from ..base.dist import DistInfo
+from ..base.rules import ConfigError
+from ..base.rundir import RunDir
+from ..config import renamed_note, upgrade
+from . import sharded_checkpoint
 
 
 @dataclass
@@ -469,7 +470,7 @@ def restore(
             f"checkpoint.resume: {chosen} holds another model ({mismatch}): the model settings changed since it "
             "was written; pass run.name=<a new name> to start a new run, or checkpoint.resume=never to start afresh"
         )
-    problem = shards.resume_problem(payload, config)
+    problem = packs.resume_problem(payload, config)
     if problem:
         raise ConfigError(f"checkpoint.resume: {chosen.name} {problem}")
     if payload.get("sharded"):

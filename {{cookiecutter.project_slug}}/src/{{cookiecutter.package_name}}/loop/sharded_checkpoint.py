@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import dist
-from .rundir import RunDir
+from ..base import dist
+from ..base.rundir import RunDir
 
 STATE_FILE = "state.pt"  # rank 0's part besides the tensors: what TrainState and the run need
 FLOOR = (2, 8)  # DCP reads a whole checkpoint in one process of a group (no_dist) from here; fsdp's floor too

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .rules import ConfigError
+from ..base.rules import ConfigError
 
 if TYPE_CHECKING:
+    from ..config import Config
     from .checkpoint import TrainState
-    from .config import Config
 
 
 def saved_global_batch(payload: dict) -> int:

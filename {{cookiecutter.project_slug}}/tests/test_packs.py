@@ -1,4 +1,4 @@
-"""Packed shards (pack.py, shards.py): the training order over chunks, the checks of a pack, and
+"""Packed shards (pack.py, packs.py): the training order over chunks, the checks of a pack, and
 in the slow tier the pack command, exact resume and evaluation, the proofs and the smoke check
 on shards, and object storage against an S3-compatible server started here on loopback."""
 
@@ -31,9 +31,11 @@ from conftest import (
 )
 from test_faults import EVERY_10, FAULTY, assert_bit_identical, final_state, worker_pid
 
-from {{ cookiecutter.package_name }} import config, extras, loaders, samplers, sharded_checkpoint, shards, task
-from {{ cookiecutter.package_name }}.dist import DistInfo
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }} import config, task
+from {{ cookiecutter.package_name }}.base import extras, packs
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.loop import loaders, samplers, sharded_checkpoint
 
 needs_litdata = pytest.mark.skipif(
     importlib.util.find_spec("litdata") is None, reason=f"litdata is not installed: {extras.install_line('litdata')}"
@@ -77,7 +79,8 @@ def test_the_chunk_order_reads_chunk_after_chunk_and_changes_every_epoch():
 
 def test_a_run_that_never_packs_imports_neither_litdata_nor_boto3():
     code = (
-        f"import sys; from {PACKAGE} import config, loaders, train; loaders.datasets(config.load({SMOKE_CONFIG!r}))\n"
+        f"import sys; from {PACKAGE} import config, train; from {PACKAGE}.loop import loaders\n"
+        f"loaders.datasets(config.load({SMOKE_CONFIG!r}))\n"
         "print(sorted({'litdata', 'boto3', 'botocore'} & set(sys.modules)))"
     )
     assert run([sys.executable, "-c", code], timeout=60).stdout.strip() == "[]"
@@ -87,7 +90,7 @@ def test_a_run_that_never_packs_imports_neither_litdata_nor_boto3():
 def test_a_folder_without_pack_json_is_one_config_error_naming_the_pack_command(tmp_path):
     (tmp_path / "train").mkdir()
     with pytest.raises(ConfigError, match=f"{tmp_path}/pack.json does not exist.*python -m {PACKAGE}.tools.pack"):
-        shards.open_pack(str(tmp_path))
+        packs.open_pack(str(tmp_path))
 
 
 def test_without_litdata_data_shards_is_one_config_error_naming_the_extra(monkeypatch, tmp_path):
@@ -106,15 +109,15 @@ def test_a_mid_epoch_resume_in_another_order_names_why_and_what_to_do():
     in_chunks = {"data": {"shards": "/data/packed", "shards_order": "chunks"}}
     unpacked = {"data": {"shards": None, "shards_order": "chunks"}}
     payload = {"world_size": 2, "batch_in_epoch": 3, "config": in_chunks}
-    assert shards.resume_problem(payload, in_chunks) is None  # on any world size: samplers.py reads the rest
-    assert shards.resume_problem(payload | {"batch_in_epoch": 0}, unpacked) is None  # an epoch's end
-    problem = shards.resume_problem(payload, unpacked)
+    assert packs.resume_problem(payload, in_chunks) is None  # on any world size: samplers.py reads the rest
+    assert packs.resume_problem(payload | {"batch_in_epoch": 0}, unpacked) is None  # an epoch's end
+    problem = packs.resume_problem(payload, unpacked)
     assert "reading /data/packed chunk by chunk, and this run reads the records in one shuffle" in problem
     after_a_resize = payload | {"batch_in_epoch": 0, "earlier_layouts": [[2, 48]]}
-    assert "chunk by chunk" in shards.resume_problem(after_a_resize, unpacked)
+    assert "chunk by chunk" in packs.resume_problem(after_a_resize, unpacked)
     # a shuffled pack's order is build_datasets's, sample for sample: switching between them mid-epoch is exact
     shuffled = {"data": {"shards": "/data/packed", "shards_order": "shuffle"}}
-    assert shards.resume_problem(payload | {"config": shuffled}, unpacked) is None
+    assert packs.resume_problem(payload | {"config": shuffled}, unpacked) is None
 
 
 def pack(out, *overrides: str, env: dict | None = None, timeout: float = 120):
@@ -139,7 +142,7 @@ def test_a_pack_holds_the_records_of_build_datasets_in_order(packed):
     assert sorted(order) == list(range(meta["records"]["train"])) and list(order) != sorted(order)
     from_shards = loaders.datasets(config.load(SMOKE_CONFIG, [f"data.shards={packed}"]))
     from_source = task.build_datasets(config.load(SMOKE_CONFIG))
-    for split, records, samples in zip(shards.SPLITS, from_shards, from_source, strict=True):
+    for split, records, samples in zip(packs.SPLITS, from_shards, from_source, strict=True):
         assert len(records) == len(samples) == meta["records"][split]
         for i in range(len(samples)):
             assert_bit_identical(records[i], samples[i], f"{split} record {i}")
@@ -383,7 +386,7 @@ def test_shards_in_object_storage_train_with_a_small_cache_and_resume_exactly(tm
     result, straight = (final_state(tmp_path / name / "smoke", steps) for name in ("crashed", "straight"))
     assert_bit_identical(result["model"], straight["model"], "model")
     cached = sum(path.stat().st_size for path in cache.rglob("*.bin"))
-    assert cached <= 0.0001 * shards.GIGABYTE + 4 * 20 * 1024  # the limit, give or take the chunks being read
+    assert cached <= 0.0001 * packs.GIGABYTE + 4 * 20 * 1024  # the limit, give or take the chunks being read
 
 
 @pytest.mark.slow
@@ -393,8 +396,8 @@ def test_from_object_storage_chunk_order_fetches_each_chunk_once_an_epoch(tmp_pa
     for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, s3_env[name])
     fetched = []
-    fetch = shards.Store.fetch
-    monkeypatch.setattr(shards.Store, "fetch", lambda store, name, to: (fetched.append(name), fetch(store, name, to)))
+    fetch = packs.Store.fetch
+    monkeypatch.setattr(packs.Store, "fetch", lambda store, name, to: (fetched.append(name), fetch(store, name, to)))
 
     def chunks_fetched(order: str, records: int) -> list[str]:
         """The training chunks fetched while one rank reads `records` records of epoch 0 through
@@ -409,8 +412,8 @@ def test_from_object_storage_chunk_order_fetches_each_chunk_once_an_epoch(tmp_pa
             pass
         return [name for name in fetched if name.startswith("train/")]
 
-    packed = {chunk["filename"] for chunk in shards.open_pack(s3_pack).indexes["train"]["chunks"]}
-    in_chunk_order = chunks_fetched("chunks", records=shards.read_meta(s3_pack)["records"]["train"])
+    packed = {chunk["filename"] for chunk in packs.open_pack(s3_pack).indexes["train"]["chunks"]}
+    in_chunk_order = chunks_fetched("chunks", records=packs.read_meta(s3_pack)["records"]["train"])
     assert sorted(in_chunk_order) == sorted(f"train/{name}" for name in packed)  # each chunk once an epoch
     # build_datasets' global shuffle over the same small cache: a fetch for most records read
     assert len(chunks_fetched("shuffle", records=256)) > 4 * len(packed)

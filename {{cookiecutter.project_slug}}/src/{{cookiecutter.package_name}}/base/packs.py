@@ -47,7 +47,7 @@ from . import extras
 from .rules import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 PACK_FILE = "pack.json"
 INDEX_FILE = "index.json"

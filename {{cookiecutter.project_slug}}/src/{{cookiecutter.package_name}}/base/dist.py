@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import preemption, rendezvous
+from .batching import unwrap
 from .rules import ConfigError, tell_user
-from .samples import unwrap
 
 Built = TypeVar("Built")
 

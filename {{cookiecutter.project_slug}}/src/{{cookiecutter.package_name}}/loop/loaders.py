@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from . import shards, task
-from .dist import DistInfo, all_reduce_max
-from .preemption import quiet_loader_worker
+from .. import task
+from ..base import packs
+from ..base.dist import DistInfo, all_reduce_max
+from ..base.preemption import quiet_loader_worker
 from .samplers import ChunkOrderSampler, ResumableSampler
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 
 def datasets(cfg: Config) -> tuple[Dataset, Dataset]:
@@ -29,7 +30,7 @@ def datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     if cfg.data.shards is None:
         train_set, eval_set = task.build_datasets(cfg)
     else:
-        train_set, eval_set = shards.datasets(cfg, getattr(task, "from_records", None))
+        train_set, eval_set = packs.datasets(cfg, getattr(task, "from_records", None))
     if cfg.eval.limit is not None and cfg.eval.limit < len(eval_set):
         eval_set = Subset(eval_set, range(cfg.eval.limit))
     return train_set, eval_set
@@ -51,7 +52,7 @@ def train_sampler(train_set: Dataset, cfg: Config, world_size: int, rank: int):
     """The training order: shuffled anew each epoch, or chunk by chunk for a pack read in its
     chunks (data.shards_order=chunks), whose training set carries the chunk layout."""
     ranks = dict(num_replicas=world_size, rank=rank, seed=cfg.run.seed)
-    if isinstance(train_set, shards.InChunks):
+    if isinstance(train_set, packs.InChunks):
         return ChunkOrderSampler(train_set, train_set.chunks, **ranks)
     return ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
 

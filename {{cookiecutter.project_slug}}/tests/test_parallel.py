@@ -13,11 +13,13 @@ from test_faults import assert_bit_identical, final_state
 from test_launchers import smoke_rows
 from torch import nn
 
-from {{ cookiecutter.package_name }} import checkpoint, config, records, sharding, task
-from {{ cookiecutter.package_name }}.rules import ConfigError
+from {{ cookiecutter.package_name }} import config, task
+from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
+from {{ cookiecutter.package_name }}.loop import checkpoint, parallel
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-needs_fsdp = pytest.mark.skipif(bool(sharding.floor_problem()), reason=sharding.floor_problem() or "")
+needs_fsdp = pytest.mark.skipif(bool(parallel.floor_problem()), reason=parallel.floor_problem() or "")
 
 
 class TiedLanguageModel(nn.Module):
@@ -51,37 +53,37 @@ def smoke_config(*overrides: str):
 
 def test_the_default_units_are_the_blocks_of_the_largest_module_list():
     model = TiedLanguageModel(width=16)
-    assert sharding.default_units(model) == list(model.blocks)  # the embedding and the head: the root's
+    assert parallel.default_units(model) == list(model.blocks)  # the embedding and the head: the root's
 
 
 def test_a_child_that_shares_a_weight_with_another_stays_in_the_root():
     model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 4), nn.Linear(4, 11, bias=False))
     model[2].weight = model[0].weight
-    assert sharding.default_units(model) == [model[1]]
+    assert parallel.default_units(model) == [model[1]]
 
 
 def test_without_a_module_list_the_units_are_the_children_that_hold_parameters():
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
-    assert sharding.default_units(model) == [model[0], model[1], model[3]]
+    assert parallel.default_units(model) == [model[0], model[1], model[3]]
 
 
 def test_units_that_split_tied_weights_or_nest_are_refused_with_the_fix():
     model = TiedLanguageModel()
-    problem = sharding.split_parameter(model, [model.head])
+    problem = parallel.split_parameter(model, [model.head])
     assert problem.startswith("sharding units: head.weight in unit head is tied to tokens.weight outside it")
     assert "one unit" in problem
-    assert sharding.split_parameter(model, [model.tokens, model.head]) is not None  # two units, one tensor
-    assert "blocks.0 and blocks.0.0 overlap" in sharding.split_parameter(model, [model.blocks[0][0], model.blocks[0]])
-    assert "overlap" in sharding.split_parameter(model, [model.blocks[0], model.blocks[0]])
-    assert "not a module of the model" in sharding.split_parameter(model, [nn.Linear(2, 2)])
-    assert sharding.split_parameter(model, list(model.blocks)) is None
+    assert parallel.split_parameter(model, [model.tokens, model.head]) is not None  # two units, one tensor
+    assert "blocks.0 and blocks.0.0 overlap" in parallel.split_parameter(model, [model.blocks[0][0], model.blocks[0]])
+    assert "overlap" in parallel.split_parameter(model, [model.blocks[0], model.blocks[0]])
+    assert "not a module of the model" in parallel.split_parameter(model, [nn.Linear(2, 2)])
+    assert parallel.split_parameter(model, list(model.blocks)) is None
 
 
 def test_a_seam_naming_units_that_split_tied_weights_is_a_config_error(monkeypatch):
     model = TiedLanguageModel()
     monkeypatch.setattr(task, "shard_units", lambda m: [m.head, *m.blocks], raising=False)  # the user's seam
     with pytest.raises(ConfigError, match="head.weight in unit head is tied to tokens.weight"):
-        sharding.units(model)
+        parallel.units(model)
 
 
 def test_activation_checkpointing_recomputes_the_units_asked_for_and_gives_the_same_gradients():
@@ -91,9 +93,9 @@ def test_activation_checkpointing_recomputes_the_units_asked_for_and_gives_the_s
     for mode, recomputed in (("full", 3), ("selective", 2), ("none", 0)):
         model = TiedLanguageModel()
         model.load_state_dict(plain.state_dict())
-        units = sharding.default_units(model)
-        assert sharding.checkpoint_activations(units, mode) == []
-        assert sum(getattr(unit.forward, "func", None) is sharding.checkpoint for unit in units) == recomputed
+        units = parallel.default_units(model)
+        assert parallel.checkpoint_activations(units, mode) == []
+        assert sum(getattr(unit.forward, "func", None) is parallel.checkpoint for unit in units) == recomputed
         model(tokens).sum().backward()
         plain.zero_grad()
         plain(tokens).sum().backward()
@@ -105,59 +107,59 @@ def test_activation_checkpointing_recomputes_the_units_asked_for_and_gives_the_s
 def test_activation_checkpointing_leaves_batchnorm_units_alone():
     # a recomputed forward would update the running statistics a second time
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    units = sharding.default_units(model)
-    assert sharding.checkpoint_activations(units, "full") == [model[1]]
+    units = parallel.default_units(model)
+    assert parallel.checkpoint_activations(units, "full") == [model[1]]
     model(torch.randn(6, 4)).sum().backward()
     assert model[1].num_batches_tracked.item() == 1
 
 
 def test_the_memory_estimate_shares_the_state_over_the_ranks_and_adds_the_gathered_units():
     model = TiedLanguageModel(width=16, vocabulary=50)
-    units = sharding.default_units(model)
+    units = parallel.default_units(model)
     shapes = [p.shape for p in model.parameters()]
     params, tensors = sum(p.numel() for p in model.parameters()), len(shapes)
     largest = sum(p.numel() for p in model.blocks[0].parameters())
     ddp = smoke_config("train.precision=fp32")
-    assert sharding.static_memory_bytes(model, units, ddp, 8) == 16 * params + 4 * tensors  # AdamW's step counts
-    shared = sharding.state_bytes(shapes, ddp.optim, 8)  # each parameter's first dimension split over 8
+    assert parallel.static_memory_bytes(model, units, ddp, 8) == 16 * params + 4 * tensors  # AdamW's step counts
+    shared = parallel.state_bytes(shapes, ddp.optim, 8)  # each parameter's first dimension split over 8
     assert 16 * params // 8 <= shared <= 16 * params // 8 + 16 * sum(math.prod(s[1:]) for s in shapes) + 4 * tensors
     fsdp = smoke_config("parallel.strategy=fsdp", "train.precision=bf16")
-    assert sharding.static_memory_bytes(model, units, fsdp, 8) == shared + 2 * largest * 2
+    assert parallel.static_memory_bytes(model, units, fsdp, 8) == shared + 2 * largest * 2
     kept = smoke_config("parallel.strategy=fsdp", "train.precision=fp32", "parallel.reshard_after_forward=false")
-    assert sharding.static_memory_bytes(model, units, kept, 8) == shared + 3 * largest * 4
+    assert parallel.static_memory_bytes(model, units, kept, 8) == shared + 3 * largest * 4
     whole = smoke_config("parallel.strategy=fsdp", "train.precision=fp32", "train.grad_accum_steps=2")
-    assert sharding.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4
+    assert parallel.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4
     whole = smoke_config(
         "parallel.strategy=fsdp",
         "train.precision=fp32",
         "train.grad_accum_steps=2",
         "parallel.reduce_every_micro_batch=false",
     )
-    assert sharding.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4 + 4 * params
-    assert "whole gradients between micro-batches" in sharding.gathered(whole)
+    assert parallel.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4 + 4 * params
+    assert "whole gradients between micro-batches" in parallel.gathered(whole)
     sgd = smoke_config("train.precision=fp32", "optim.name=sgd", "optim.momentum=0")
-    assert sharding.static_memory_bytes(model, units, sgd, 8) == 8 * params  # no optimizer state at all
+    assert parallel.static_memory_bytes(model, units, sgd, 8) == 8 * params  # no optimizer state at all
 
 
 def test_fsdp_below_its_torch_floor_is_one_line_naming_the_version():
-    problem = sharding.floor_problem("2.7.1+cu126")
+    problem = parallel.floor_problem("2.7.1+cu126")
     assert (
         "parallel.strategy: fsdp needs torch>=2.8 (this is 2.7.1+cu126)" in problem
         and "parallel.strategy=ddp" in problem
     )
-    assert sharding.floor_problem("2.8.0") is None and sharding.floor_problem("2.14.1") is None
+    assert parallel.floor_problem("2.8.0") is None and parallel.floor_problem("2.14.1") is None
 
 
 @needs_fsdp
 def test_fsdp_refuses_fp16_and_cpu_offload_without_a_gpu_naming_the_fix():
     with pytest.raises(ConfigError, match="use bf16"):
-        sharding.check(smoke_config("parallel.strategy=fsdp", "train.precision=fp16"), torch.device("cpu"))
+        parallel.check(smoke_config("parallel.strategy=fsdp", "train.precision=fp16"), torch.device("cpu"))
     with pytest.raises(ConfigError, match="parallel.cpu_offload"):
-        sharding.check(smoke_config("parallel.strategy=fsdp", "parallel.cpu_offload=true"), torch.device("cpu"))
-    sharding.check(smoke_config("train.precision=fp16"), torch.device("cpu"))  # ddp: GradScaler sees it all
+        parallel.check(smoke_config("parallel.strategy=fsdp", "parallel.cpu_offload=true"), torch.device("cpu"))
+    parallel.check(smoke_config("train.precision=fp16"), torch.device("cpu"))  # ddp: GradScaler sees it all
 
 
-@pytest.mark.skipif(not sharding.floor_problem(), reason=f"torch {torch.__version__} shards; the floor run checks this")
+@pytest.mark.skipif(not parallel.floor_problem(), reason=f"torch {torch.__version__} shards; the floor run checks this")
 def test_fsdp_on_this_torch_exits_2_with_one_line_before_anything_starts(tmp_path):
     result = torchrun(*train_args(tmp_path, "parallel.strategy=fsdp"), timeout=120, check=False)
     assert result.returncode != 0 and not (tmp_path / "smoke").exists()

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from . import task
-from .rules import ConfigError
+from .. import task
+from ..base.rules import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Config, ScheduleConfig
+    from ..config import Config, ScheduleConfig
 
 ADAM_FAMILY = ("adamw", "adafactor")  # adaptive steps: the square-root scaling rule
 

@@ -9,9 +9,9 @@ logs again, so no step appears twice. The scalars are the ones every sink shows 
 
 from __future__ import annotations
 
-from . import extras, records
-from .dist import DistInfo, print0
-from .rundir import RunDir
+from ..base import extras, records
+from ..base.dist import DistInfo, print0
+from ..base.rundir import RunDir
 
 
 def check(setting: bool | str) -> None:

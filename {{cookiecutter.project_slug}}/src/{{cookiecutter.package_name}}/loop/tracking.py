@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 
-from . import config, extras, records
-from .dist import DistInfo
-from .preemption import PREEMPTED_EXIT_CODE
-from .rundir import RunDir
+from .. import config
+from ..base import extras, records
+from ..base.dist import DistInfo
+from ..base.preemption import PREEMPTED_EXIT_CODE
+from ..base.rundir import RunDir
 
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project / MLflow experiment unless run.tracker_project
 ANSWERS_FILE = ".cookiecutter.json"  # the answers this project was made with
@@ -95,7 +96,7 @@ def flat(tree: dict, prefix: str = "") -> dict[str, str]:
 
 def project_root() -> Path:
     """The project's directory (where its answers file is): the source tree's, else the current one."""
-    source_root = Path(__file__).resolve().parents[2]  # src/<package>/tracking.py
+    source_root = Path(__file__).resolve().parents[3]  # src/<package>/loop/tracking.py
     return source_root if (source_root / ANSWERS_FILE).exists() else Path.cwd()
 
 

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from . import task
-from .rules import ConfigError
-from .samples import describe, first_samples, num_samples
+from .. import task
+from ..base.batching import describe, first_samples, num_samples
+from ..base.rules import ConfigError
 
 SAMPLES = 2  # enough to expose a batch dimension; cheap for any model on the CPU
 

@@ -1,6 +1,6 @@
 """The packing process that `python -m {{ cookiecutter.package_name }}.pack` starts and supervises.
 
-    python -m {{ cookiecutter.package_name }}.tools.packer OUT [pack's options] --stage FOLDER --workdir FOLDER
+    python -m {{ cookiecutter.package_name }}.tools.pack_writer OUT [pack's options] --stage FOLDER --workdir FOLDER
 
 It checks OUT and the settings, packs both splits into FOLDER with litdata (whose caches go
 into the work folder, so that packs side by side never share one), writes pack.json last and
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import config, processes, shards, task
-from ..rules import ConfigError, exit_on_user_error
+from .. import config, task
+from ..base import packs, processes
+from ..base.rules import ConfigError, exit_on_user_error
 from . import pack
 
 
@@ -53,7 +54,7 @@ def build_records(cfg):
 
 def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> dict:
     """The shards of both sets in `folder`, then pack.json; returns pack.json's content."""
-    records = dict(zip(shards.SPLITS, build_records(cfg), strict=True))
+    records = dict(zip(packs.SPLITS, build_records(cfg), strict=True))
     if hasattr(records["train"], "set_epoch"):
         print(
             "warning: the training set has set_epoch, so its samples change each epoch, and a pack keeps one draw of "
@@ -64,7 +65,7 @@ def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> d
         print(f"packing {split}: {len(dataset)} records", flush=True)
         inputs = order.tolist() if split == "train" else list(range(len(dataset)))
         pack_split(dataset, inputs, folder / split, int(chunk_mb * 1024**2), max(1, min(workers, len(dataset))))
-    np.save(folder / "train" / shards.ORDER_FILE, order)
+    np.save(folder / "train" / packs.ORDER_FILE, order)
     facts = getattr(task, "pack_facts", None)
     meta = {
         "id": uuid.uuid4().hex[:12],
@@ -74,13 +75,13 @@ def write_pack(cfg, folder: Path, workers: int, chunk_mb: float, seed: int) -> d
         "seed": seed,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    (folder / shards.PACK_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (folder / packs.PACK_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
 def pack_split(records, inputs: list[int], folder: Path, chunk_bytes: int, workers: int) -> None:
     """litdata's optimize, writing records[inputs[j]] at position j of `folder`."""
-    shards.require_litdata().optimize(
+    packs.require_litdata().optimize(
         fn=RecordAt(records),
         inputs=inputs,
         output_dir=str(folder),
@@ -107,16 +108,16 @@ def pack_to_folder(cfg, out: Path, stage: Path, *options) -> dict:
 
 def pack_to_bucket(cfg, url: str, stage: Path, *options) -> dict:
     """Pack into `stage`, a local folder, then upload it with pack.json last."""
-    store = shards.Store(url)
-    if store.read(shards.PACK_FILE) is not None:
-        raise ConfigError(f"pack: {store.url(shards.PACK_FILE)} exists; choose a new URL or delete that pack")
+    store = packs.Store(url)
+    if store.read(packs.PACK_FILE) is not None:
+        raise ConfigError(f"pack: {store.url(packs.PACK_FILE)} exists; choose a new URL or delete that pack")
     stage.mkdir(parents=True)
     meta = write_pack(cfg, stage, *options)
-    files = sorted(path for path in stage.rglob("*") if path.is_file() and path.name != shards.PACK_FILE)
+    files = sorted(path for path in stage.rglob("*") if path.is_file() and path.name != packs.PACK_FILE)
     print(f"uploading {len(files)} files to {url}", flush=True)
     for path in files:
         store.put(path, str(path.relative_to(stage)))
-    store.put(stage / shards.PACK_FILE, shards.PACK_FILE)
+    store.put(stage / packs.PACK_FILE, packs.PACK_FILE)
     return meta
 
 
@@ -127,13 +128,13 @@ def main(argv=None) -> int:
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(args.workdir / "chunks")
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(args.workdir / "data")
     with exit_on_user_error():
-        if pack.is_url(args.out) and not shards.is_remote(args.out):
+        if pack.is_url(args.out) and not packs.is_remote(args.out):
             raise ConfigError(f"pack: {args.out}: write to a folder or an s3:// URL")
         cfg = config.load(config.files(args.config), args.overrides)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shards=None))  # pack the source data
-        shards.require_litdata("the pack command")
+        packs.require_litdata("the pack command")
         options = (args.stage, args.workers, args.chunk_mb, args.seed)
-        if shards.is_remote(args.out):
+        if packs.is_remote(args.out):
             meta = pack_to_bucket(cfg, args.out, *options)
         else:
             meta = pack_to_folder(cfg, Path(args.out), *options)
