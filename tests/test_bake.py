@@ -46,6 +46,7 @@ COMMON_FILES = {
     "tests/dist_proofs.py",
     "tests/faulty_train.py",
     "tests/helpers.py",
+    "tests/previous_layout.yaml",
     "tests/stand_ins.py",
     "tests/test_activation_checkpointing.py",
     "tests/test_config.py",

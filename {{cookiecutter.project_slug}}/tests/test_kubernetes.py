@@ -21,9 +21,9 @@ import yaml
 from conftest import PROJECT, SMOKE_CONFIG, finish, newest_checkpoint, project_env, wait_for
 from dockerfile_parse import DockerfileParser
 
-from {{ cookiecutter.package_name }}.loop import checkpoint
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.base import preemption
+from {{ cookiecutter.package_name }}.loop import checkpoint
 from {{ cookiecutter.package_name }}.tools import launch
 
 K8S = PROJECT / "k8s"

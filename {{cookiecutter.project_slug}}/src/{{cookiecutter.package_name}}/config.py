@@ -344,7 +344,8 @@ HEADER = """\
 # this one (`--config configs/default.yaml --config experiments/mine.yaml`), which names only what
 # it changes. The resolved config is saved to runs/<name>/config.yaml and inside every checkpoint.
 # The keys and comments come from the dataclasses (config.py, model.py, data.py): after adding a
-# setting there, run `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`; values here are kept.
+# setting there, run `python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`;
+# the values here are kept.
 """
 
 
