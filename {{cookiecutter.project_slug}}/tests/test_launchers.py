@@ -140,10 +140,10 @@ def smoke_rows(output: str) -> dict:
 def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
     # the test-sized run (configs/default.yaml's may take hours on a CPU) under this project's
     # strategy and SyncBatchNorm setting; the rows expected are those the check gives that run
-    project = config.load(PROJECT / "configs" / "default.yaml").train
+    project = config.load(PROJECT / "configs" / "default.yaml")
     settings = [
-        f"parallel.strategy={project.strategy}",
-        f"parallel.sync_batchnorm={str(project.sync_batchnorm).lower()}",
+        f"parallel.strategy={project.parallel.strategy}",
+        f"parallel.sync_batchnorm={str(project.parallel.sync_batchnorm).lower()}",
     ]
     result = run(
         ["bash", "scripts/smoke.sh", "--config", SMOKE_CONFIG, *settings, f"run.out_dir={tmp_path}"],
@@ -162,16 +162,16 @@ def test_smoke_sh_passes_on_cpu_and_skips_gpu_checks_with_reasons(tmp_path):
         "eval counts every sample once",
     ):
         assert rows[check][0] == "PASS", (check, rows[check])
-    checked = config.load(SMOKE_CONFIG, settings).train
-    sharded = checked.strategy == "fsdp"
+    checked = config.load(SMOKE_CONFIG, settings)
+    sharded = checked.parallel.strategy == "fsdp"
     assert ("reduce-scattered" in rows["gradients all-reduced"][1]) == sharded
     per_step = rows["one all-reduce per optimizer step"]
     assert per_step[0] == "SKIP" and "parallel.strategy=fsdp" in per_step[1] if sharded else per_step[0] == "PASS"
     assert rows["device per rank"][0] == "SKIP" and "CPU run" in rows["device per rank"][1]
-    why = "needs CUDA" if checked.sync_batchnorm else "parallel.sync_batchnorm is off"
+    why = "needs CUDA" if checked.parallel.sync_batchnorm else "parallel.sync_batchnorm is off"
     assert rows["SyncBatchNorm"][0] == "SKIP" and why in rows["SyncBatchNorm"][1], rows["SyncBatchNorm"]
     assert rows["throughput"][0] == "INFO" and "evaluation and checkpoints included" in rows["throughput"][1]
-    assert rows["precision"][1].startswith(f"{checked.precision}: autocast matmul in "), rows["precision"]
+    assert rows["precision"][1].startswith(f"{checked.train.precision}: autocast matmul in "), rows["precision"]
 
 
 def smoke_checks(out_dir, *overrides: str) -> tuple[dict, config.Config]:

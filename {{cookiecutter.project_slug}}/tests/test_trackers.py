@@ -360,7 +360,8 @@ def test_a_tracker_whose_store_hangs_mid_run_is_dropped_and_never_waited_on(tmp_
     start = {"id": "hang", "name": "smoke", "project": "hangs", "run_dir": str(tmp_path), "timeout": 60, "params": {}}
     tracker = tracking.Tracker("mlflow", start)
     tracker.send({"kind": "train", "step": 5, "loss": 1.0})
-    wait_for(lambda: tracker.taken.get("train") == 5 or tracker.dropped, timeout=60)  # started and logging
+    # started, and its first record's call answered
+    wait_for(lambda: (tracker.taken.get("train") == 5 and tracker.busy is None) or tracker.dropped, timeout=60)
     assert not tracker.dropped
     lock = sqlite3.connect(store, timeout=0)
     lock.execute("BEGIN EXCLUSIVE")
@@ -393,7 +394,7 @@ def test_a_tracker_that_hangs_at_the_end_is_left_behind_and_the_run_exits_0_on_t
     try:
         wait_for(lambda: taken_by(tmp_path, "wandb") >= 10, 90)
         services = [pid for pid in descendants(job.pid) if b"wandb-core" in command_line(pid)]
-        assert services, "no W&B service process found"
+        assert services, f"no W&B service process found among {[command_line(pid) for pid in descendants(job.pid)]}"
         for pid in services:
             os.kill(pid, signal.SIGSTOP)
         began = time.monotonic()

@@ -295,15 +295,17 @@ class Tracker:
     def log(self, service, logged: list[dict]) -> None:
         """Records in order, in as few calls as the tracker allows, without the steps it took before."""
         rows: list[tuple[int, dict[str, float]]] = []
+        taken = dict(self.taken)  # what the tracker has once its calls return: a resume replays the rest
         for record in logged:
             if record["kind"] == records.SUMMARY:
                 service.metrics(rows)
                 rows = []
                 service.summary(record["summary"], record["step"])
-            elif record["step"] > self.taken.get(record["kind"], -1):
+            elif record["step"] > taken.get(record["kind"], -1):
                 rows.append((record["step"], records.scalars(record)))
-                self.taken[record["kind"]] = record["step"]
+                taken[record["kind"]] = record["step"]
         service.metrics(rows)
+        self.taken = taken
         self.taken_path.with_suffix(".tmp").write_text(json.dumps(self.taken))
         os.replace(self.taken_path.with_suffix(".tmp"), self.taken_path)
 

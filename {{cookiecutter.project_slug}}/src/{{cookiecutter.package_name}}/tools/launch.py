@@ -120,11 +120,12 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
 def children(pid: int) -> list[int]:
     """Direct children of `pid`: torchrun's are its workers."""
     if Path("/proc/self/task").is_dir():
-        try:
-            tasks = list(Path(f"/proc/{pid}/task").iterdir())
-            return [int(child) for task in tasks for child in (task / "children").read_text().split()]
-        except OSError:  # the process is gone
-            return []
+        found: list[int] = []
+        with contextlib.suppress(OSError):  # the process is gone
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile: the others' children count
+                    found += [int(child) for child in (task / "children").read_text().split()]
+        return found
     try:  # no /proc (macOS)
         found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
     except OSError:
