@@ -4,16 +4,16 @@ The defaults project runs every tier (`pytest --slow`: the maths proofs, fault d
 launchers, the swaps, the seam's contract on two stand-in models), split in four runs (the
 drills, the exit-status stress drill, the W&B and MLflow drills with the packed-shards drills,
 the rest) that go side by side; the rest with `--fsdp`, so that its MLP with BatchNorm goes
-through the FSDP proofs and drills a ddp project skips, but for the 3-rank proofs and the FSDP
-smoke check, which the starters run. One project with the other answers (fp16, accumulation,
+through the FSDP proofs, drills and smoke check a ddp project skips, but for the 3-rank proofs,
+which the language model runs. One project with the other answers (fp16, accumulation,
 compile, no SLURM, Kubernetes) runs the fast tier, which holds what those answers change (the
 maths proofs, the unit tests, the manifests checked offline), and its Kubernetes drills (pods on
 loopback under each operator's environment, SIGTERM to PID 1 within the grace period); the bake
 matrix in test_bake.py lints every other combination. The starters run the fast tier plus their
 own slow tests (`pytest --task`), less the generic drills, loop wiring and stand-in seam tests the
 defaults project already runs: the language model's real-text training and sampling, the image
-classifier's ResNet-18 learning the drawn shapes from JPEG files to 0.9 top-1 (with `--fsdp`: its
-FSDP proofs and smoke check, BatchNorm in every stage). The language model is baked with
+classifier's ResNet-18 learning the drawn shapes from JPEG files to 0.9 top-1 (its FSDP runs are
+the defaults' MLP with BatchNorm and the language model's, a project that shards). The language model is baked with
 strategy=fsdp, the way a project that shards runs its suite: the FSDP proofs on its tied
 embedding on 2 ranks and 3, and smoke.sh under fsdp.
 """
@@ -32,17 +32,16 @@ EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to 
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
 SHARDS = "tests/test_packs.py"  # packed shards: a folder and an S3-compatible server on loopback
 SEAM = "--ignore=tests/test_seam.py"  # the stand-in tasks replace the seam: the same tests in every project
-# the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp;
-# the image classifier's ResNet passes the FSDP smoke check with BatchNorm
-FSDP_ELSEWHERE = "fsdp_proofs_hold_on_three_ranks or smoke_check_passes_under_fsdp"
+# the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp
+FSDP_ELSEWHERE = "fsdp_proofs_hold_on_three_ranks"
 # the task's slow tests that are not the task's own: evaluation counts and resume, which the
-# defaults project runs for every code path they share; of the FSDP runs, the image classifier
-# passes the smoke check and the language model (fsdp) passes smoke.sh (its project's strategy)
-# and reaches its ddp run's evaluation
+# defaults project runs for every code path they share; of the FSDP runs, the language model
+# (fsdp) passes smoke.sh (its project's strategy) and reaches its ddp run's evaluation
 SHARED = "eval_counts_each_sample or resume_mid_epoch"
 # and of the fast tier, the loop's wiring of each schedule, named optimizer and their resume, the
 # NaN stop and the setting aside of an abandoned attempt's checkpoints (test_wiring.py), the resumes
-# with accumulation and on another world size (test_resume.py) and a failed background write:
+# with accumulation and on another world size (test_resume.py), a failed background write, a
+# checkpoint of the previous config layout and a bad override refused on every rank:
 # train.py's calls, the same whatever the model; the task's own optimizer, schedule and randomness on
 # resume stay
 LOOP_WIRING = (
@@ -50,13 +49,13 @@ LOOP_WIRING = (
     " or nan_loss_stops_the_run or sets_the_later_ones_aside"
     " or with_accumulation_killed_mid_epoch or rest_of_its_epoch_once or runs_20_samples_a_step"
     " or moves_the_peak_lr or never_listed_as_a_change or background_write_that_fails_stops_the_run"
+    " or previous_layout_resumes or bad_override_before_any_collective"
 )
 IMAGE_TESTS = [
     "--task",
-    "--fsdp",
     SEAM,
     "-k",
-    f"not ({SHARED} or smoke_sh_passes or {LOOP_WIRING} or same_run_under_fsdp)",
+    f"not ({SHARED} or smoke_sh_passes or {LOOP_WIRING})",
 ]
 # the fast tier, the task's own tests and the slow FSDP proofs (`-m` picks them among --slow's)
 LANGUAGE_MODEL_TESTS = [

@@ -187,18 +187,17 @@ def recorded_steps(prefix: Path) -> dict[int, set[int]]:
 
 
 # (the strategy, its checkpoints, the fault that gives time for the kill, what the kill waits for):
-# full checkpoints: the kill between step 10's save and step 20's; fsdp's sharded ones written
+# ddp's full checkpoints: the kill between step 10's save and step 20's; fsdp's sharded ones written
 # in the background: the kill while step 20's write, every part on disk, awaits its publication
 # (a kill -9 during an async save). Then the resumes on WORLDS' ranks, on 2 bit-identical
 FSDP_FLOOR = parallel.floor_problem()
 SHARDED = [pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]  # the project's model
-WORLDS = {"ddp-full": (3, 1), "fsdp-full": (2,), "fsdp-sharded-async": (2, 3, 1)}
+WORLDS = {"ddp-full": (3, 1), "fsdp-sharded-async": (2, 3, 1)}
 SLOW_STEPS = {"FAULT": "slow", "FAULT_SECONDS": "0.1"}
 DDP = ("parallel.strategy=ddp",)
 FSDP = ("parallel.strategy=fsdp", "parallel.activation_checkpointing=selective")
 KILLS = {
     "ddp-full": (DDP, (), SLOW_STEPS, "step_00000010.pt"),
-    "fsdp-full": (FSDP, ("checkpoint.format=full",), SLOW_STEPS, "step_00000010.pt"),
     "fsdp-sharded-async": (
         FSDP,
         ("checkpoint.async_save=true",),
@@ -242,7 +241,6 @@ def uninterrupted(tmp_path_factory):
     "kind",
     [
         "ddp-full",
-        pytest.param("fsdp-full", marks=SHARDED),
         pytest.param("fsdp-sharded-async", marks=SHARDED),
     ],
 )
@@ -263,7 +261,7 @@ def test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupt
     finally:
         job.kill()
     # ddp's resume on 2: test_faults.py (full checkpoints), test_packs.py (sharded ones, and on 1);
-    # fsdp's full checkpoints on another world size: test_parallel.py
+    # fsdp's full checkpoints load exactly on other world sizes: test_parallel.py
     for world in WORLDS[kind]:
         shutil.copytree(tmp_path / "killed", tmp_path / f"on{world}")
         resume = [FAULTY, *train_args(tmp_path / f"on{world}", *settings)[2:]]
