@@ -209,6 +209,9 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
         if path.is_file():
             text = path.read_text()
             assert not re.search(r"\{\{|\{%|\{#", text), f"unrendered Jinja in {path}"
+            # what the project's pre-commit hooks (end-of-file-fixer, trailing-whitespace) would rewrite
+            assert text == "" or (text.endswith("\n") and not text.endswith("\n\n")), f"{path} must end in one newline"
+            assert not re.search(r"[ \t]+$", text, re.M), f"trailing whitespace in {path}"
     config = yaml.safe_load((project / "configs" / "default.yaml").read_text())
     assert config["train"]["precision"] == answers.get("precision", "bf16")
     assert config["train"]["compile"] is answers.get("compile", False)
