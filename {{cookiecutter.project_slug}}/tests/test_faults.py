@@ -31,7 +31,7 @@ from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, optim, sharded_checkpoint
 from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.task import build_datasets, build_model
-from {{ cookiecutter.package_name }}.tools import export
+from {{ cookiecutter.package_name }}.tools import export, launch
 
 FAULTY = str(PROJECT / "tests" / "faulty_train.py")
 EVERY_20 = ("checkpoint.every_steps=20", "checkpoint.keep_last=10")
@@ -113,8 +113,7 @@ def test_resume_mid_epoch_is_bit_identical_to_an_uninterrupted_run(tmp_path, str
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int | None:
-    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
-    for pid in children:
+    for pid in launch.children(launcher_pid):
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in environ:
             return int(pid)

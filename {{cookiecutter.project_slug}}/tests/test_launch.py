@@ -1,9 +1,11 @@
 """The node launcher: processes per node, threads under SLURM, stopping, exit status, ports."""
 
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -211,6 +213,25 @@ def test_finished_children_are_collected_except_the_one_kept():
     launch.reap_orphans(keep=kept.pid)
     assert not Path(f"/proc/{orphan.pid}").exists()  # collected
     assert Path(f"/proc/{kept.pid}").exists() and kept.wait(timeout=5) == 0  # its status left for its Popen
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+def test_children_are_found_whichever_thread_started_them_and_once_they_finished():
+    # torchrun starts its workers from threads that may end: their children must still be found
+    started = []
+    thread = threading.Thread(target=lambda: started.append(subprocess.Popen(["sleep", "30"])))
+    thread.start()
+    thread.join()
+    # a process name may hold ") ", which /proc/<pid>/stat does not escape
+    finished = subprocess.Popen([sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) b')"])
+    time.sleep(0.5)  # `finished` is a zombie now: not reaped until its wait below
+    try:
+        assert set(launch.children(os.getpid())) >= {started[0].pid, finished.pid}
+        assert launch.children(started[0].pid) == []
+    finally:
+        started[0].kill()
+        started[0].wait()
+        finished.wait()
 
 
 FAKE_TORCHRUN = """

@@ -118,13 +118,16 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
 
 
 def children(pid: int) -> list[int]:
-    """Direct children of `pid`: torchrun's are its workers."""
-    if Path("/proc/self/task").is_dir():
+    """Direct children of `pid` (finished ones not yet reaped too): torchrun's are its workers."""
+    if Path("/proc/self/stat").is_file():
+        # each process's parent from its stat, not /proc/<pid>/task/<tid>/children: a child moves to
+        # another thread's list when the thread that started it ends, and a read of the threads one
+        # after the other then misses it (the W&B drill found torchrun with no workers under load)
         found: list[int] = []
-        with contextlib.suppress(OSError):  # the process is gone
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError):  # a thread that ended meanwhile: the others' children count
-                    found += [int(child) for child in (task / "children").read_text().split()]
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # a process gone meanwhile
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:  # after "(name)": state, ppid
+                    found.append(int(stat.parent.name))
         return found
     try:  # no /proc (macOS)
         found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False)
