@@ -15,12 +15,15 @@ from conftest import PROJECT, SMOKE_CONFIG, run, runs_fsdp, torchrun
 
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
-from {{ cookiecutter.package_name }}.loop import loaders, parallel
+from {{ cookiecutter.package_name }}.loop import loaders, parallel, sharded_checkpoint
 from {{ cookiecutter.package_name }}.tools import checks
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
 needs_fsdp = pytest.mark.skipif(bool(parallel.floor_problem()), reason=parallel.floor_problem() or "")
+needs_sharded_checkpoints = pytest.mark.skipif(
+    bool(sharded_checkpoint.floor_problem()), reason=sharded_checkpoint.floor_problem() or ""
+)
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +273,7 @@ def test_recomputed_units_with_dropout_give_the_gradients_of_no_recompute_under_
     assert result["full"] == 0 and result["selective"] == 0  # the recompute replays the forward's masks
 
 
+@needs_sharded_checkpoints
 def test_a_background_write_that_fails_on_one_rank_stops_every_rank_at_the_next_save(proofs):
     result = proofs["failed_write"]
     for raised in result["raised"]:  # rank 1's disk was full; rank 0 stops too, with the same line
