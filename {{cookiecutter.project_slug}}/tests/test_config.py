@@ -3,7 +3,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from subprocess import PIPE
 
 import pytest
@@ -45,6 +45,21 @@ def test_default_yaml_holds_every_setting_with_the_comment_of_its_dataclass_fiel
         "configs/default.yaml has drifted from the dataclasses: run "
         "`python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml`"
     )
+
+
+@dataclass
+class ModelWithABareSetting:
+    width: int = 3  # how wide
+    depth: int = 2
+
+
+def test_a_setting_without_a_comment_is_written_without_an_empty_one_and_named_by_sync():
+    cfg = replace(config.Config(), model=ModelWithABareSetting())
+    lines = config.render_yaml(cfg).splitlines()
+    assert "  depth: 2" in lines
+    assert any(re.fullmatch(r"  width: 3 +# how wide", line) for line in lines)
+    assert config.settings_without_comment(cfg) == ["model.depth"]
+    assert config.settings_without_comment() == []  # this project's settings all say what they mean
 
 
 def test_sync_rewrites_a_drifted_file_and_keeps_its_values(tmp_path):

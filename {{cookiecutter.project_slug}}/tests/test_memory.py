@@ -123,11 +123,14 @@ def test_diagnose_memory_says_what_fits_under_each_strategy_and_checkpointing_on
     steps = 4 * len(list(fake.parameters()))  # AdamW's step count, one a parameter tensor
     assert ddp[0] == 16 * params + steps  # fp32 weights, gradients and AdamW's two moments
     assert fsdp[0] < ddp[0] and rows["fsdp", "none"][1] == ddp[1] == saved.activation_bytes([])
-    assert fsdp[1] == saved.activation_bytes(parallel.recomputed(units, "full")) <= ddp[1]
-    between = (sum(fsdp) + sum(ddp)) / 2 / 1e9  # ddp without checkpointing does not fit, fsdp with it does
+    # recomputing keeps every unit's inputs: it saves memory on most models, not on every one
+    assert fsdp[1] == saved.activation_bytes(parallel.recomputed(units, "full"))
+    between = (sum(fsdp) + sum(ddp)) / 2 / 1e9  # one of ddp without checkpointing and fsdp with it fits
     lines = diagnose.memory_estimate(cfg, 8, between).splitlines()
     assert lines[0].startswith(f"{params:,} parameters, {len(units)} FSDP units; optim.name=adamw")
     assert lines[2].startswith("  ddp on 8, checkpointing none")
-    assert lines[2].endswith(f"fits in {between:g} GB: no  <- parallel.activation_checkpointing")
+    assert f"fits in {between:g} GB: " in lines[2] and lines[2].endswith("  <- parallel.activation_checkpointing")
     assert lines[-1].startswith("  fsdp on 8, checkpointing full")
-    assert lines[-1].endswith(f"fits in {between:g} GB: yes")
+    verdicts = [line.split(": ")[-1].split()[0] for line in lines[2:]]
+    assert verdicts == ["yes" if sum(row) <= between * 1e9 else "no" for row in rows.values()]
+    assert sorted(set(verdicts)) == ["no", "yes"]

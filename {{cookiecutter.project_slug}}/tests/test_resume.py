@@ -111,10 +111,21 @@ def with_noisy_units(build_model):
         model = build_model(cfg)
         for unit in parallel.units(model):
             forward = unit.forward
-            unit.forward = lambda *args, forward=forward, **kwargs: forward(*args, **kwargs) * (0.5 + torch.rand(()))
+            unit.forward = lambda *args, forward=forward, **kwargs: scaled(forward(*args, **kwargs), torch.rand(()))
         return model
 
     return built
+
+
+def scaled(output, draw: torch.Tensor):
+    """A unit's output with its float tensors scaled by 0.5 + `draw`, whatever holds them (a
+    recurrent layer returns (outputs, state))."""
+    if isinstance(output, torch.Tensor):
+        return output * (0.5 + draw) if output.is_floating_point() else output
+    if isinstance(output, tuple | list):
+        parts = [scaled(part, draw) for part in output]
+        return output._make(parts) if hasattr(output, "_make") else type(output)(parts)
+    return output
 
 
 def lrs(cfg: config.Config) -> dict[int, float]:

@@ -66,8 +66,9 @@ def render(cfg, head: str, only: dict | None = None) -> str:
         keys = [f.name for f in dataclasses.fields(section) if only is None or f.name in only.get(name, {})]
         lines += ["", f"{name}:"] if keys else []
         for key in keys:
-            head_line = f"  {key}: {yaml_scalar(getattr(section, key))}"
-            lines.append(f"{head_line.ljust(COMMENT_COLUMN - 1)}  # {comments.get(key, '')}".rstrip())
+            line = f"  {key}: {yaml_scalar(getattr(section, key))}"
+            comment = comments.get(key)  # a field without one gets no empty "#"
+            lines.append(f"{line.ljust(COMMENT_COLUMN - 1)}  # {comment}" if comment else line)
     return "\n".join(lines) + "\n"
 
 
