@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.config import load as load_config
 from {{ cookiecutter.package_name }}.tools import launch
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -48,10 +48,11 @@ def pytest_configure(config):
     )
 
 
-def project_strategy() -> str:
-    """parallel.strategy as configs/default.yaml sets it (the dataclass default, ddp, where it does not)."""
-    settings = yaml.safe_load((PROJECT / "configs" / "default.yaml").read_text()) or {}
-    return (settings.get("train") or {}).get("strategy", "ddp")
+def project_strategy(path: Path = PROJECT / "configs" / "default.yaml") -> str:
+    """parallel.strategy as the run reads it from `path` (configs/default.yaml): its files, renamed
+    keys and dataclass defaults as the loop loads them."""
+    with contextlib.redirect_stderr(io.StringIO()):  # a renamed key's note is the run's to print
+        return load_config(str(path)).parallel.strategy
 
 
 def runs_fsdp(config) -> bool:

@@ -8,7 +8,7 @@ from subprocess import PIPE
 
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, run, train_args
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, project_strategy, run, train_args
 
 from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.base import rules, typed_config
@@ -60,6 +60,18 @@ def test_a_setting_without_a_comment_is_written_without_an_empty_one_and_named_b
     assert any(re.fullmatch(r"  width: 3 +# how wide", line) for line in lines)
     assert config.settings_without_comment(cfg) == ["model.depth"]
     assert config.settings_without_comment() == []  # this project's settings all say what they mean
+
+
+def test_the_fsdp_tests_follow_the_strategy_the_config_trains_with_in_any_layout(tmp_path):
+    # a project that shards runs the FSDP proofs in its fast tier (conftest.runs_fsdp)
+    layouts = {
+        "parallel:\n  strategy: fsdp\n": "fsdp",
+        "train:\n  strategy: fsdp\n": "fsdp",
+        "run:\n  name: a\n": "ddp",
+    }
+    for text, strategy in layouts.items():
+        (tmp_path / "default.yaml").write_text(text)
+        assert project_strategy(tmp_path / "default.yaml") == strategy, text
 
 
 def test_sync_rewrites_a_drifted_file_and_keeps_its_values(tmp_path):
