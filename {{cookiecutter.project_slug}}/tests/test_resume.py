@@ -9,6 +9,7 @@ ranks with half the per-device batch write after reading the same samples. Resum
 for real takes torchrun: test_elastic.py's drill (slow tier).
 """
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,29 +104,36 @@ def as_written_by_two_ranks(path: Path) -> None:
     torch.save(payload, path)
 
 
-def with_noisy_units(build_model):
-    """`build_model` whose model's units (parallel.units: the task's or the default ones) scale their
-    output by a random factor drawn in their forward, as dropout draws its mask there."""
+class NoisyUnits:
+    """A build_model whose model's units (parallel.units: the task's or the default ones) scale their
+    output by a random factor drawn in their forward, as dropout draws its mask there; `scaled`
+    counts the float tensors the noise reached."""
 
-    def built(cfg):
-        model = build_model(cfg)
+    def __init__(self, build_model):
+        self.build_model, self.scaled = build_model, 0
+
+    def __call__(self, cfg):
+        model = self.build_model(cfg)
         for unit in parallel.units(model):
             forward = unit.forward
-            unit.forward = lambda *args, forward=forward, **kwargs: scaled(forward(*args, **kwargs), torch.rand(()))
+            unit.forward = lambda *args, forward=forward, **kwargs: self.noisy(forward(*args, **kwargs), torch.rand(()))
         return model
 
-    return built
-
-
-def scaled(output, draw: torch.Tensor):
-    """A unit's output with its float tensors scaled by 0.5 + `draw`, whatever holds them (a
-    recurrent layer returns (outputs, state))."""
-    if isinstance(output, torch.Tensor):
-        return output * (0.5 + draw) if output.is_floating_point() else output
-    if isinstance(output, tuple | list):
-        parts = [scaled(part, draw) for part in output]
-        return output._make(parts) if hasattr(output, "_make") else type(output)(parts)
-    return output
+    def noisy(self, output, draw: torch.Tensor):
+        """`output` with its float tensors scaled by 0.5 + `draw`, whatever holds them: a tuple (a
+        recurrent layer's (outputs, state)), a list, a dict or a Hugging Face ModelOutput."""
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            self.scaled += 1
+            return output * (0.5 + draw)
+        if isinstance(output, tuple | list):
+            parts = [self.noisy(part, draw) for part in output]
+            return output._make(parts) if hasattr(output, "_make") else type(output)(parts)
+        if isinstance(output, dict):
+            result = copy.copy(output)
+            for key, value in output.items():
+                result[key] = self.noisy(value, draw)
+            return result
+        return output
 
 
 def lrs(cfg: config.Config) -> dict[int, float]:
@@ -144,8 +152,9 @@ def weights_and_moments(path: Path) -> tuple[dict, dict]:
 def test_a_run_with_accumulation_killed_mid_epoch_resumes_bit_identical(run_here, monkeypatch, accum, recompute):
     # 3 steps an epoch; checkpoints at 2, 4 and the end, 5: killed after step 2's (mid-epoch 0), the
     # resumed run crosses into epoch 1 and must end where the uninterrupted one ended
+    noisy = NoisyUnits(task.build_model)
     if recompute != "none":  # recomputed units that draw random numbers in their forward, as dropout does
-        monkeypatch.setattr(task, "build_model", with_noisy_units(task.build_model))
+        monkeypatch.setattr(task, "build_model", noisy)
     settings = (f"train.grad_accum_steps={accum}", "data.batch_size=2", "train.max_steps=5")
     settings += ("checkpoint.every_steps=2", f"parallel.activation_checkpointing={recompute}")
     cfg, _ = run_here("run", *settings, train_samples=6 * accum)
@@ -157,6 +166,8 @@ def test_a_run_with_accumulation_killed_mid_epoch_resumes_bit_identical(run_here
     assert "step_00000002.pt at step 2" in watched.out
     assert watched.steps == [[2] * accum] * 3  # steps 3 to 5, each of `accum` micro-batches
     resumed = weights_and_moments(run_dir.checkpoint(5))
+    if recompute != "none":
+        assert noisy.scaled, "the units' outputs hold no float tensor (nor tuple, list or dict of them) to add noise to"
     for ours, theirs in zip(resumed, uninterrupted, strict=True):
         assert ours.keys() == theirs.keys()
         for name in theirs:

@@ -94,8 +94,8 @@ def test_a_resumed_start_sends_each_tracker_the_timelines_records_it_never_took(
     sent = tracking.timeline_up_to(run_dir, 20)  # the attempt that resumed at 10 went to 25
     assert [(r["step"], r["loss"]) for r in sent] == [(5, 1.0), (10, 1.0), (15, 0.5), (20, 0.5)]  # its train records
     assert tracking.timeline_up_to(run_dir, 0) == []  # a fresh start: none
-    tracking.taken_file(run_dir, "mlflow", "x").parent.mkdir()
-    tracking.taken_file(run_dir, "mlflow", "x").write_text(json.dumps({"train": 5}))
+    run_dir.tracking.mkdir()
+    (run_dir.tracking / "mlflow-x.json").write_text(json.dumps({"train": 5}))  # what it took before
     start = {"run_dir": str(run_dir.root), "id": "x", "timeout": 5, "params": {}}
     tracker, service = tracking.Tracker("mlflow", start, Recording), Recording({})
     tracker.log(service, sent)
@@ -105,6 +105,19 @@ def test_a_resumed_start_sends_each_tracker_the_timelines_records_it_never_took(
 def test_settings_become_flat_params():
     params = tracking.flat({"config": {"optim": {"lr": 0.001}, "train": {"compile": False}, "run": {"name": "a"}}})
     assert params == {"config.optim.lr": "0.001", "config.train.compile": "false", "config.run.name": "a"}
+
+
+def test_the_tracked_params_name_the_code_commit_and_say_when_files_differ_from_it(tmp_path):
+    assert tracking.git_commit(tmp_path) is None  # outside git
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=a", "-c", "user.email=a@b"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "model.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert tracking.git_commit(tmp_path) == head
+    (tmp_path / "model.py").write_text("x = 2\n")  # an edit not yet committed
+    assert tracking.git_commit(tmp_path) == f"{head}-dirty"
 
 
 def test_the_names_the_settings_accept_are_the_trackers_there_are():
@@ -304,7 +317,7 @@ def test_a_stopped_and_resumed_run_is_one_tracked_run_in_mlflow_and_wandb_with_e
     params = run.data.params
     assert params["config.run.trackers"] == '["mlflow", "wandb"]'
     assert params["config.optim.lr"] == json.dumps(saved["config"]["optim"]["lr"])
-    assert params["world_size"] == "2" and params["project.project_slug"] == tracking.PROJECT
+    assert params["world_size"] == "2" and params["torch"] == torch.__version__
     assert params["config.train.max_steps"] == "null"  # the first start's value is kept, the change is a tag
     assert any(tag.startswith("changed_on_resume") for tag in run.data.tags)
     uploaded = [item.path for item in client.list_artifacts(run.info.run_id, "checkpoints")]

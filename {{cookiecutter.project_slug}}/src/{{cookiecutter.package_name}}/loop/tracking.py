@@ -1,23 +1,12 @@
-"""Experiment trackers on global rank 0: Weights & Biases and MLflow, one tracked run per training run.
+"""Experiment trackers on global rank 0: Weights & Biases and MLflow (run.trackers), each set up by
+its own environment variables and installed as an extra; no other rank starts or imports one.
 
-run.trackers names them: [wandb], [mlflow], both, or [] (TensorBoard is run.tensorboard). Each
-is an optional extra (`pip install -e '.[wandb]'`, `'.[mlflow]'`) set up by its own environment
-variables: WANDB_API_KEY, WANDB_MODE, WANDB_ENTITY, WANDB_PROJECT; MLFLOW_TRACKING_URI,
-MLFLOW_EXPERIMENT_NAME. No other rank than global rank 0 starts or imports a tracker.
-
-Each tracker works on a thread of its own: the loop hands it each record of metrics.jsonl and
-never waits; what queued up while it was busy goes out in one call. A call that fails, or runs
-longer than run.tracker_timeout_s, drops the tracker with one warning; training, checkpoints and
-the exit status never depend on one. W&B uploads from its own service process, its console
-capture off so that a stalled service cannot block rank 0's prints. Rank 0 waits for the run's
-end to reach the trackers after leaving the process group, at most run.tracker_timeout_s; a
-tracker still busy then is left behind, and rank 0 exits without the libraries' exit handlers.
-
-One tracked run per training run: its id is drawn at the run's first start and kept in
-tracking/run.json and every checkpoint, so a resume, a requeue or a torchrun restart continues the
-same W&B or MLflow run. A resumed attempt replays the steps after its checkpoint: each tracker is
-sent only steps after the last one it took (tracking/<tracker>-<id>.json), and at start the
-records up to the checkpoint that it never took.
+Each tracker works on a thread of its own: the loop hands it each record of metrics.jsonl and never
+waits. A call that fails, or runs longer than run.tracker_timeout_s, drops the tracker with one
+warning; training, checkpoints and the exit status never depend on one. One tracked run per
+training run: its id is kept in tracking/run.json and every checkpoint, so a resume or a requeue
+continues it, and each tracker takes every step once (tracking/<tracker>-<id>.json holds the last
+it took; a resumed start sends it what it missed). docs/observability.md tells the whole story.
 """
 
 from __future__ import annotations
@@ -44,7 +33,6 @@ from ..base.preemption import PREEMPTED_EXIT_CODE
 from ..base.rundir import RunDir
 
 PROJECT = "{{ cookiecutter.project_slug }}"  # the W&B project / MLflow experiment unless run.tracker_project
-ANSWERS_FILE = ".cookiecutter.json"  # the answers this project was made with
 ID_TAG = "tracked_run_id"  # MLflow: the tag that finds a training run's MLflow run again
 MLFLOW_STATUS = {"finished": "FINISHED", "preempted": "KILLED", "failed": "FAILED"}
 
@@ -69,11 +57,6 @@ def tracked_run_id(run_dir: RunDir, resumed: Path | None, saved: str | None) -> 
     return run_id
 
 
-def taken_file(run_dir: RunDir, name: str, run_id: str) -> Path:
-    """Where tracker `name` keeps the last step of each kind it took for run `run_id`."""
-    return run_dir.tracking / f"{name}-{run_id}.json"
-
-
 def timeline_up_to(run_dir: RunDir, step: int) -> list[dict]:
     """The train and eval records of metrics.jsonl up to `step` on the run's current timeline: what
     a resumed start sends each tracker, which skips the steps it took before."""
@@ -94,20 +77,11 @@ def flat(tree: dict, prefix: str = "") -> dict[str, str]:
     return items
 
 
-def project_root() -> Path:
-    """The project's directory (where its answers file is): the source tree's, else the current one."""
-    source_root = Path(__file__).resolve().parents[3]  # src/<package>/loop/tracking.py
-    return source_root if (source_root / ANSWERS_FILE).exists() else Path.cwd()
-
-
 def run_params(cfg, info: DistInfo) -> dict:
-    """What the run is: its settings, the project's answers, where it trains (the tracker's thread
-    adds the project's commit)."""
-    answers = project_root() / ANSWERS_FILE
+    """What the run is: its settings and where it trains (the tracker's thread adds the project's commit)."""
     device = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else platform.processor() or "cpu"
     return {
         "config": config.to_dict(cfg),
-        "project": json.loads(answers.read_text()).get("cookiecutter", {}) if answers.exists() else {},
         "world_size": info.world_size,
         "nodes": max(1, info.world_size // info.local_world_size),
         "device": f"{info.world_size} x {device} (as rank 0 sees it)",
@@ -116,7 +90,7 @@ def run_params(cfg, info: DistInfo) -> dict:
 
 
 def git_commit(root: Path) -> str | None:
-    """The project's commit, "-dirty" when its files differ from it; None outside git."""
+    """The commit of the repository holding `root`, "-dirty" when its files differ from it; None outside git."""
     try:
         commit, changes = (
             subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
@@ -231,7 +205,8 @@ class Tracker:
 
     def __init__(self, name: str, start: dict, service=None):
         self.name, self.timeout = name, start["timeout"]
-        self.taken_path = taken_file(RunDir(start["run_dir"]), name, start["id"])
+        # the last step of each kind it took in this tracked run
+        self.taken_path = RunDir(start["run_dir"]).tracking / f"{name}-{start['id']}.json"
         self.taken = json.loads(self.taken_path.read_text()) if self.taken_path.exists() else {}
         self.taken_path.parent.mkdir(parents=True, exist_ok=True)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -268,7 +243,7 @@ class Tracker:
 
     def _serve(self, service, start: dict) -> None:
         try:
-            start = start | {"params": start["params"] | {"git_commit": git_commit(project_root())}}
+            start = start | {"params": start["params"] | {"git_commit": git_commit(Path(__file__).parent)}}
             service = self._call("start", service, start)
             print(f"tracker {self.name}: {service.note}", file=sys.stderr, flush=True)
             while not self.dropped:
