@@ -58,7 +58,7 @@ def proofs(proofs_launch):
 
 def test_the_proofs_print_a_verdict_per_proof_and_exit_0_when_all_hold(proofs_launch):
     result, _ = proofs_launch
-    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]  # a proof that raised: its traceback
     assert "proofs on 2 ranks: PASS (0 failed, 0 warnings)" in result.stdout
     assert sum(line.startswith("PASS") for line in result.stdout.splitlines()) == 9
 
