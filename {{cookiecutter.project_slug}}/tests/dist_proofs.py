@@ -34,6 +34,7 @@ from helpers import whole_checkpoint  # noqa: E402
 
 from {{ cookiecutter.package_name }} import config, task, train  # noqa: E402
 from {{ cookiecutter.package_name }}.base import dist, preemption, records  # noqa: E402
+from {{ cookiecutter.package_name }}.base.batching import num_samples  # noqa: E402
 from {{ cookiecutter.package_name }}.base.dist import DistInfo  # noqa: E402
 from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, optim, parallel, sharded_checkpoint  # noqa: E402
 from {{ cookiecutter.package_name }}.tools import checks  # noqa: E402
@@ -114,8 +115,9 @@ def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
         model.zero_grad(set_to_none=True)
         model.train()
         reference_gradients(model, step_batches(train_set, collate, world_size, step, cfg))
-        largest = max(p.grad.abs().max().item() for p in model.parameters())
-        error = max((g - p.grad).abs().max().item() for g, p in zip(gradients, model.parameters(), strict=True))
+        reference = [gradient_of(p) for p in model.parameters()]
+        largest = max(g.abs().max().item() for g in reference)
+        error = max((zeros_if_none(g, r) - r).abs().max().item() for g, r in zip(gradients, reference, strict=True))
         worst = max(worst, error / largest)
     return worst
 
@@ -126,7 +128,8 @@ def steps_recorded(steps: list):
     optimizer_step = train.optimizer_step
 
     def recording(model, state, cfg) -> None:
-        steps.append((whole_weights(model), [whole(p.grad).detach().clone() for p in model.parameters()]))
+        gradients = [None if p.grad is None else whole(p.grad).detach().clone() for p in model.parameters()]
+        steps.append((whole_weights(model), gradients))  # None stays None: the optimizer skips such a parameter
         optimizer_step(model, state, cfg)
 
     train.optimizer_step = recording
@@ -139,6 +142,16 @@ def steps_recorded(steps: list):
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded tensor gathered whole (every rank must call it); a plain one as it is."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gradient_of(param: torch.Tensor) -> torch.Tensor:
+    """The whole gradient of `param`; zeros where the loss did not reach it (a routed model's
+    expert that no token of the batch chose)."""
+    return zeros_if_none(whole(param.grad) if param.grad is not None else None, whole(param))
+
+
+def zeros_if_none(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if gradient is None else gradient
 
 
 def whole_weights(model) -> dict:
@@ -190,7 +203,7 @@ def reference_update_error(cfg, job: train.Job, steps: list, final_weights: dict
     state = train.TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
     for _, gradients in steps:
         for param, gradient in zip(model.parameters(), gradients, strict=True):
-            param.grad = gradient.clone()
+            param.grad = None if gradient is None else gradient.clone()
         train.optimizer_step(model, state, cfg)
     params = dict(model.named_parameters())
     largest = max(final_weights[name].abs().max().item() for name in params)
@@ -280,26 +293,62 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     cfg = exact_config(out, overrides, "run.name=weighting")
     job = train.build(cfg, info)
     reference = copy.deepcopy(dist.bare(job.model))
-    train_set, _ = loaders.datasets(cfg)
-    collate = job.train_loader.collate_fn
-    sizes = [3 + 5 * rank for rank in range(info.world_size)]  # 3, 8, ... samples per rank
-    starts = [sum(sizes[:rank]) for rank in range(info.world_size)]
-    batches = [
-        collate([train_set[i] for i in range(start, start + size)]) for start, size in zip(starts, sizes, strict=True)
-    ]
+    batches = unequal_batches(cfg, job.train_loader.collate_fn, info.world_size)
+    terms = [float(task.count_terms(b)) for b in batches]
+    reference.train()
+    unreduced = unreduced_parameters(reference, batches, cfg)  # every rank finds the same: no collective
+    if unreduced:
+        return {"terms": terms, "unreduced": unreduced}
     job.model.train()
     train.accumulate_gradients(job, [batches[info.rank]], cfg, info)
-    reference.train()
+    reference.zero_grad(set_to_none=True)
     reference_gradients(reference, batches)
     mean_of_means = copy.deepcopy(reference)
     mean_of_means.zero_grad(set_to_none=True)
     sum(task.loss_sum(mean_of_means, b) / float(task.count_terms(b)) for b in batches).div(len(batches)).backward()
-    pairs = list(zip(job.model.parameters(), reference.parameters(), mean_of_means.parameters(), strict=True))
+    gradients = [list(map(gradient_of, m.parameters())) for m in (job.model, reference, mean_of_means)]
+    pairs = list(zip(*gradients, strict=True))
     return {
-        "terms": [float(task.count_terms(b)) for b in batches],
-        "max_difference": max((whole(a.grad) - b.grad).abs().max().item() for a, b, _ in pairs),
-        "mean_of_means_difference": max((b.grad - c.grad).abs().max().item() for _, b, c in pairs),
+        "terms": terms,
+        "max_difference": max((a - b).abs().max().item() for a, b, _ in pairs),
+        "mean_of_means_difference": max((b - c).abs().max().item() for _, b, c in pairs),
     }
+
+
+def unequal_batches(cfg, collate, world_size: int) -> list:
+    """A batch for each rank, of 3, 8, 13 ... samples."""
+    train_set, _ = loaders.datasets(cfg)
+    sizes = [3 + 5 * rank for rank in range(world_size)]
+    starts = [sum(sizes[:rank]) for rank in range(world_size)]
+    indices = [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+    return [collate([train_set[i] for i in chosen]) for chosen in indices]
+
+
+def unreduced_parameters(model, batches: list, cfg) -> str | None:
+    """What the loop could not reduce, when some rank's batch leaves trainable parameters without a
+    gradient (a routed model's experts that no token chose): DDP without find_unused_parameters
+    waits for them forever, and FSDP2 reduce-scatters a different set on each rank (pytorch#158719)."""
+    if len(batches) == 1:  # one process: nothing to reduce
+        return None
+    missing = []
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        task.loss_sum(model, batch).backward()
+        missing.append({name for name, p in model.named_parameters() if p.requires_grad and p.grad is None})
+    model.zero_grad(set_to_none=True)
+    rank, names = next(((rank, sorted(names)) for rank, names in enumerate(missing) if names), (None, []))
+    sharded = cfg.parallel.strategy == "fsdp"
+    reduced = all(m == missing[0] for m in missing) if sharded else cfg.parallel.find_unused_parameters
+    if not names or reduced:
+        return None
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    where = f"rank {rank}'s {num_samples(batches[rank])} samples leave {shown} without a gradient"
+    if sharded:
+        return (
+            f"{where}, other ranks' do not: FSDP2 reduce-scatters only the gradients a rank has (pytorch#158719); "
+            "run each expert on its empty selection instead of skipping it, or train it with parallel.strategy=ddp"
+        )
+    return f"{where}: DDP would wait for them; set parallel.find_unused_parameters=true (`diagnose unused` lists them)"
 
 
 def prove_same_initial_weights(overrides: list[str]) -> dict:
@@ -415,9 +464,12 @@ def verdicts(results: dict) -> list[checks.Row]:
     counted = PASS if syncs == steps > 0 else FAIL
     rows.append((counted, "1 all-reduce per step", f"{syncs} for {steps} optimizer steps"))
     weighting = results["weighting"]
-    fair = weighting["max_difference"] < WEIGHTING_TOLERANCE
-    detail = f"terms {weighting['terms']}: gradient differs by {weighting['max_difference']:.1e}"
-    rows.append((PASS if fair else FAIL, "global loss weighting", detail))
+    if "unreduced" in weighting:
+        rows.append((FAIL, "global loss weighting", weighting["unreduced"]))
+    else:
+        fair = weighting["max_difference"] < WEIGHTING_TOLERANCE
+        detail = f"terms {weighting['terms']}: gradient differs by {weighting['max_difference']:.1e}"
+        rows.append((PASS if fair else FAIL, "global loss weighting", detail))
     same = len(set(results["initial_weights"]["checksums"])) == 1
     rows.append((PASS if same else FAIL, "same initial weights", "on every rank" if same else "ranks differ"))
     stopped = all("loader length differs" in message for message in results["unequal_lengths"]["messages"])

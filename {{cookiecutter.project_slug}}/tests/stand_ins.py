@@ -1,4 +1,4 @@
-"""Two stand-in tasks that the suite installs in place of the project's seam, to hold the seam's
+"""Three stand-in tasks that the suite installs in place of the project's seam, to hold the seam's
 contract whatever model the project trains: the loop, every test and helper, the smoke check,
 `diagnose` and the proofs reach the model only through the task's functions, pass its arguments
 through unchanged, and the task reads its module's attributes through samples.unwrap.
@@ -8,13 +8,16 @@ through unchanged, and the task reads its module's attributes through samples.un
     keyword    forward(*, input_ids, labels=None) -> {"loss": a mean, "logits"}: keyword arguments
                only, Hugging Face's shape; padded labels, so the loss terms vary; tied weights; its
                units named by class (_no_split_modules), as the model is built, not as sharded
+    routed     keyword's, with a mixture of experts: each token goes to the expert its id picks, and
+               an expert no token chose is skipped, so some batches leave it without a gradient;
+               trained with parallel.find_unused_parameters=true, under ddp only (FSDP2 cannot)
 
 Each is self-contained (its model, data and every task function) and small: seconds a run.
 
     torchrun --standalone --nproc_per_node=2 tests/stand_ins.py OUT [--fsdp]
 
 runs the proofs (tests/dist_proofs.py, with `--fsdp` the sharded loop's too) and the smoke check
-(under ddp, and fsdp with `--fsdp`) on both, in one process group; rank 0 prints each stand-in's
+(under ddp, and fsdp with `--fsdp`) on each, in one process group; rank 0 prints each stand-in's
 name, then the tables; the exit code is 1 if a proof or a check failed.
 """
 
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # run as a
 from {{ cookiecutter.package_name }} import task  # noqa: E402
 from {{ cookiecutter.package_name }}.base.batching import Throughput, move_to, unwrap  # noqa: E402
 
-VOCABULARY, WIDTH, LENGTH = 16, 8, 6  # tokens per sample: LENGTH + 1, the last one only a target
+VOCABULARY, WIDTH, LENGTH, EXPERTS = 16, 8, 6, 4  # tokens per sample: LENGTH + 1, the last one only a target
 IGNORE = -100
 SEAM = (
     "MAIN_METRIC",
@@ -175,7 +178,7 @@ class Keyword(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=0.1)  # tied: small enough for the head's logits
 
     def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
-        hidden = self.embed_tokens(input_ids) + self.embed_tokens(input_ids.roll(1, dims=1))
+        hidden = self.mix(self.embed_tokens(input_ids) + self.embed_tokens(input_ids.roll(1, dims=1)), input_ids)
         for layer in self.layers:
             hidden = layer(hidden)
         logits = self.lm_head(hidden)
@@ -183,6 +186,9 @@ class Keyword(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE)
         return {"loss": loss, "logits": logits}
+
+    def mix(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        return hidden  # Routed's experts go here
 
 
 class Padded(Dataset):
@@ -247,7 +253,38 @@ class KeywordTask:
         return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
 
 
-STAND_INS = {"recurrent": RecurrentTask, "keyword": KeywordTask}
+class Routed(Keyword):
+    """Keyword with a mixture of experts after the embedding: each token goes to the expert its id
+    picks (hash routing), and an expert with no token in the batch is skipped, as Hugging Face's
+    Mixtral skips it, so a batch without an expert's tokens leaves that expert without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(EXPERTS)])
+
+    def mix(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        route = input_ids * EXPERTS // VOCABULARY
+        out = torch.zeros_like(hidden)
+        for index, expert in enumerate(self.experts):
+            chosen = route == index
+            if chosen.any():
+                out[chosen] = expert(hidden[chosen]).to(out.dtype)  # under autocast: its own dtype
+        return hidden + torch.tanh(out)
+
+
+class RoutedTask(KeywordTask):
+    """The seam of Routed: Keyword's, another model."""
+
+    @staticmethod
+    def build_model(cfg) -> nn.Module:
+        return Routed()
+
+
+STAND_INS = {"recurrent": RecurrentTask, "keyword": KeywordTask, "routed": RoutedTask}
+# the settings a project training the stand-in would have: DDP must reduce the experts a rank's batch
+# left without a gradient (FSDP2 cannot: its reduce-scatter sizes would differ between ranks, pytorch#158719)
+SETTINGS = {"routed": ["parallel.find_unused_parameters=true"]}
+DDP_ONLY = {"routed"}
 
 
 def install(name: str, monkeypatch=None) -> None:
@@ -286,13 +323,15 @@ def main() -> int:
             dist.print0(info, f"stand-in {name}")
             out = args.out / name
             out.mkdir(parents=True, exist_ok=True)
-            for only in (None, "fsdp") if "fsdp" in strategies else (None,):
+            its_strategies = ["ddp"] if name in DDP_ONLY else strategies
+            for only in (None, "fsdp") if "fsdp" in its_strategies else (None,):
                 install(name)  # again: the weighting proof changes TERMS_PER_SAMPLE
-                proofs = argparse.Namespace(out=out, only=only, resume=None, overrides=[])
+                proofs = argparse.Namespace(out=out, only=only, resume=None, overrides=SETTINGS.get(name, []))
                 codes.append(dist_proofs.prove(proofs, info))
-            for strategy in strategies:
+            for strategy in its_strategies:
                 install(name)
                 overrides = [*smoke.SMOKE_RUN, "train.max_steps=20", f"parallel.strategy={strategy}"]
+                overrides = [*SETTINGS.get(name, []), *overrides]
                 cfg = config.load(dist_proofs.SMOKE, [*overrides, f"run.out_dir={out / strategy}"])
                 codes.append(smoke.smoke(cfg, info))
         return max(codes)

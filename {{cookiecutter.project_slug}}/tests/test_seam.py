@@ -1,16 +1,17 @@
 """The seam's contract, held whatever model the project trains: the loop, the tests and their
 helpers, the smoke check, `diagnose` and the proofs call the model only through the task's
 functions and pass its arguments through unchanged, and a task reaches its module through
-samples.unwrap. Two stand-in tasks (tests/stand_ins.py) are installed in place of the project's
-seam: a model whose forward requires a state, and one called with keyword arguments only. The
-fast tier runs them in this process; the slow tier runs the proofs and the smoke check on them
-on 2 ranks, under ddp and fsdp."""
+samples.unwrap. Three stand-in tasks (tests/stand_ins.py) are installed in place of the project's
+seam: a model whose forward requires a state, one called with keyword arguments only, and one that
+routes tokens to experts, which some batches leave without a gradient. The fast tier runs them in
+this process; the slow tier runs the proofs and the smoke check on them on 2 ranks, under ddp (and
+fsdp, but the routed one)."""
 
 import dist_proofs
 import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun
-from stand_ins import STAND_INS, Recurrent, RecurrentTask, install
+from stand_ins import DDP_ONLY, SETTINGS, STAND_INS, Recurrent, RecurrentTask, install
 from torch.nn.parallel import DistributedDataParallel
 
 from {{ cookiecutter.package_name }} import config, task, train
@@ -42,7 +43,10 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
     # diagnose unused, as its command line runs it: the helpers' wrapper passes calls and reads through
     assert diagnose.main(["unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head"]) == 1
     assert capsys.readouterr().out.split("\n", 1)[1].split() == ["aux_head.weight", "aux_head.bias"]
-    assert diagnose.main(["unused", "--config", SMOKE_CONFIG]) == 0
+    routed = name == "routed"  # some pairs of samples leave experts without a gradient: a rank's batch can too
+    assert diagnose.main(["unused", "--config", SMOKE_CONFIG]) == routed
+    said = capsys.readouterr().out
+    assert ("parallel.find_unused_parameters=true" in said and "experts.3.weight" in said) == routed, said
 
     checked = config.load(SMOKE_CONFIG, [*smoke.SMOKE_RUN, *QUICK, "train.max_steps=4", f"run.out_dir={tmp_path}"])
     failed = [what for verdict, what, _ in smoke.run_checks(checked, WORLD_OF_ONE) if verdict == "FAIL"]
@@ -53,6 +57,28 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
     assert weighting["max_difference"] < dist_proofs.WEIGHTING_TOLERANCE
     counted = dist_proofs.prove_eval_counts([], WORLD_OF_ONE)
     assert counted[records.EVAL_SAMPLES] == counted["dataset_size"]
+
+
+@pytest.mark.parametrize("name", STAND_INS)
+def test_the_weighting_proof_names_the_setting_a_routed_model_needs_before_any_collective(name, monkeypatch):
+    """Rank 0's 3 samples leave an expert of the routed stand-in without a gradient, rank 1's 8 do not:
+    under ddp the proof asks for find_unused_parameters, under fsdp for experts that always run."""
+    install(name, monkeypatch)
+    found = {}
+    for setting in ("parallel.strategy=ddp", "parallel.find_unused_parameters=true", "parallel.strategy=fsdp"):
+        cfg = config.load(SMOKE_CONFIG, [*QUICK, setting])
+        model = task.build_model(cfg)
+        batches = dist_proofs.unequal_batches(
+            cfg, loaders.build_loaders(*loaders.datasets(cfg), cfg, WORLD_OF_ONE, 0)[0].collate_fn, 2
+        )
+        found[setting.split(".")[1]] = dist_proofs.unreduced_parameters(model, batches, cfg)
+    if name != "routed":
+        assert found == dict.fromkeys(found)
+        return
+    assert found["strategy=ddp"].startswith("rank 0's 3 samples leave experts.3.bias, experts.3.weight without")
+    assert found["strategy=ddp"].endswith("set parallel.find_unused_parameters=true (`diagnose unused` lists them)")
+    assert found["find_unused_parameters=true"] is None and SETTINGS[name] == ["parallel.find_unused_parameters=true"]
+    assert "other ranks' do not" in found["strategy=fsdp"] and "pytorch#158719" in found["strategy=fsdp"]
 
 
 def test_unwrap_reaches_the_module_under_ddp_and_compile():
@@ -92,7 +118,8 @@ def test_the_proofs_and_the_smoke_check_hold_on_two_ranks_for_a_model_that_needs
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
     tables = result.stdout.split("stand-in ")[1:]
     assert [table.split()[0] for table in tables] == list(STAND_INS)
-    for table in tables:
+    for name, table in zip(STAND_INS, tables, strict=True):
+        both = sharded and name not in DDP_ONLY
         assert "proofs on 2 ranks: PASS (0 failed" in table
-        assert ("fsdp proofs on 2 ranks: PASS (0 failed" in table) == sharded
-        assert table.count("smoke: PASS (0 failed") == 1 + sharded  # under ddp, and fsdp
+        assert ("fsdp proofs on 2 ranks: PASS (0 failed" in table) == both
+        assert table.count("smoke: PASS (0 failed") == 1 + both  # under ddp, and fsdp

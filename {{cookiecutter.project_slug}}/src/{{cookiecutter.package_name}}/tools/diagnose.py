@@ -133,14 +133,25 @@ def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
     return verdict, "/dev/shm", f"{free_gib:.1f} GiB free{hint}"
 
 
-def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
-    """Names of parameters whose .grad is None after one plain (non-DDP) step on a real batch
-    of the training loader, with the task's own loss."""
+def unused_parameters(cfg: Config, model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the parameters whose .grad is None after one plain (non-DDP) step on a real batch
+    of the training loader, with the task's own loss; then of those that have one there but not
+    after a step on some pair of the first samples (a routed model's experts that no token of a
+    small batch chose: a rank's batch can leave them without one too)."""
     train_set, eval_set = loaders.datasets(cfg)
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
     train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0)
     model.train()
-    task.loss_sum(model, next(iter(train_loader))).backward()
+    never = without_gradient(model, next(iter(train_loader)))
+    first = range(0, min(16, len(train_set)) - 1, 2)
+    pairs = [train_loader.collate_fn([train_set[i], train_set[i + 1]]) for i in first]
+    sometimes = {name for pair in pairs for name in without_gradient(model, pair)} - set(never)
+    return never, [name for name, _ in model.named_parameters() if name in sometimes]
+
+
+def without_gradient(model: torch.nn.Module, batch) -> list[str]:
+    model.zero_grad(set_to_none=True)
+    task.loss_sum(model, batch).backward()
     return [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
 
 
@@ -367,16 +378,22 @@ def main(argv=None) -> int:
             print(memory_estimate(cfg, ranks, args.gpu_gb or device_gb(), load_model_factory(args.model)))
         return 0
     if args.command == "unused":
-        names = unused_parameters(cfg, load_model_factory(args.model)(cfg))
-        if not names:
+        never, sometimes = unused_parameters(cfg, load_model_factory(args.model)(cfg))
+        if never:
+            print(
+                "parameters without a gradient after one step (freeze them with requires_grad_(False), "
+                "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
+            )
+        elif sometimes:
+            print(
+                "parameters that some batches leave without a gradient (a routed model's experts): under ddp set "
+                "parallel.find_unused_parameters=true; under fsdp every rank must give them one (pytorch#158719): "
+                "run each expert on its empty selection instead of skipping it"
+            )
+        else:
             print("every parameter gets a gradient: keep parallel.find_unused_parameters=false")
-            return 0
-        print(
-            "parameters without a gradient after one step (freeze them with requires_grad_(False), "
-            "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
-        )
-        print("\n".join(f"  {name}" for name in names))
-        return 1
+        print("".join(f"  {name}\n" for name in never or sometimes), end="")
+        return 1 if never or sometimes else 0
     nproc = args.nproc or torch.cuda.device_count() or 2
     try:
         paths, stop = config.files(args.config), processes.StopSignals()
