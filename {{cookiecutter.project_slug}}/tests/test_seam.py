@@ -60,7 +60,7 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
 
 
 @pytest.mark.parametrize("name", STAND_INS)
-def test_the_weighting_proof_names_the_setting_a_routed_model_needs_before_any_collective(name, monkeypatch):
+def test_the_weighting_proof_names_the_setting_a_routed_model_needs_instead_of_a_step_that_hangs(name, monkeypatch):
     """Rank 0's 3 samples leave an expert of the routed stand-in without a gradient, rank 1's 8 do not:
     under ddp the proof asks for find_unused_parameters, under fsdp for experts that always run."""
     install(name, monkeypatch)
