@@ -55,6 +55,23 @@ def project_strategy(path: Path = PROJECT / "configs" / "default.yaml") -> str:
         return load_config(str(path)).parallel.strategy
 
 
+def model_needs(path: Path = PROJECT / "configs" / "default.yaml") -> list[str]:
+    """What the project's model needs wherever it trains, read from configs/default.yaml as the run
+    reads it, as overrides of the tests' configs/smoke.yaml: DDP's reduction of the parameters that
+    a rank's batch leaves without a gradient (a routed model's experts)."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        find_unused = load_config(str(path)).parallel.find_unused_parameters
+    return [f"parallel.find_unused_parameters={str(find_unused).lower()}"]
+
+
+@pytest.fixture
+def world_of_one():
+    """A real process group of one rank, so DDP can wrap a module in this process."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
 def runs_fsdp(config) -> bool:
     """Whether the tests marked fsdp run: the project trains with fsdp, or --fsdp asks for them."""
     return project_strategy() == "fsdp" or config.getoption("--fsdp")

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import dist_proofs
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, run, runs_fsdp, torchrun
+from conftest import PROJECT, SMOKE_CONFIG, model_needs, run, runs_fsdp, torchrun
 
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
@@ -38,7 +38,8 @@ def launches(tmp_path_factory, pytestconfig) -> dict:
     outs = {name: tmp_path_factory.mktemp(name) for name in commands}
 
     def launch(name):
-        return torchrun(PROOFS, str(outs[name]), *commands[name], nproc=2, timeout=180, check=False), outs[name]
+        command = [PROOFS, str(outs[name]), *commands[name], *model_needs()]  # as the project trains its model
+        return torchrun(*command, nproc=2, timeout=180, check=False), outs[name]
 
     with ThreadPoolExecutor(len(commands)) as pool:
         return dict(zip(commands, pool.map(launch, commands), strict=True))
@@ -148,7 +149,9 @@ def test_ddp_wrapping_settings(proofs):
     wrapping = proofs["wrapping"]
     assert wrapping["is_ddp"] and wrapping["eval_model_is_unwrapped"]
     assert wrapping["gradient_as_bucket_view"] is True
-    assert wrapping["find_unused_parameters"] is False
+    # off unless the model needs it (it costs a graph walk a step): as configs/default.yaml says, false as shipped
+    assert model_needs() == [f"parallel.find_unused_parameters={str(wrapping['find_unused_parameters']).lower()}"]
+    assert config.load(None).parallel.find_unused_parameters is False
     assert wrapping["bucket_bytes_cap"] == 7 * 1024 * 1024  # parallel.bucket_cap_mb
 
 

@@ -117,14 +117,6 @@ def test_tied_weights_export_to_safetensors(tmp_path):
     assert torch.equal(fresh[0].weight, model[0].weight) and fresh[1].weight is fresh[0].weight
 
 
-@pytest.fixture
-def world_of_one():
-    """A real process group of one rank, so DDP can wrap a module in this process."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
 def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_path, world_of_one):
     # a real compiled 2-rank run's checkpoint is resumed by the compile=True project's Kubernetes
     # drill, which a leaked prefix would stop with the model-mismatch error

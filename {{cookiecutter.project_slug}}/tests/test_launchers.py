@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_losses
+from conftest import (
+    PACKAGE,
+    PROJECT,
+    SMOKE_CONFIG,
+    model_needs,
+    project_env,
+    read_metrics,
+    run,
+    torchrun,
+    train_losses,
+)
 from stand_ins import Progressions, Streams, install
 from torch.utils.data import Subset
 
@@ -230,8 +240,9 @@ def test_diagnose_unused_lists_an_unused_head(capsys):
     assert diagnose_main("unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head") == 1
     out = capsys.readouterr().out
     assert "aux_head.weight" in out and "aux_head.bias" in out and "body." not in out
-    assert diagnose_main("unused", "--config", SMOKE_CONFIG) == 0
-    assert "every parameter gets a gradient" in capsys.readouterr().out
+    # the project's own model as its settings train it: every parameter gets a gradient, or a routed
+    # model's experts that some batches leave without one are reduced (parallel.find_unused_parameters)
+    assert diagnose_main("unused", "--config", SMOKE_CONFIG, *model_needs()) == 0, capsys.readouterr().out
 
 
 def diagnose_main(*args: str) -> int:

@@ -9,16 +9,20 @@ import sys
 import pytest
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_args
+from helpers import model_with_unused_head
 from test_faults import assert_bit_identical, final_state
 from test_launchers import smoke_rows
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base import records
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
-from {{ cookiecutter.package_name }}.loop import checkpoint, parallel
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, parallel
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
+WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 needs_fsdp = pytest.mark.skipif(bool(parallel.floor_problem()), reason=parallel.floor_problem() or "")
 
 
@@ -49,6 +53,18 @@ def units_of_their_own(monkeypatch):
 
 def smoke_config(*overrides: str):
     return config.load(SMOKE_CONFIG, list(overrides))
+
+
+def test_ddps_error_for_a_parameter_without_a_gradient_names_the_setting_and_the_command(world_of_one):
+    cfg = config.load(SMOKE_CONFIG, ["data.num_workers=0"])
+    model = DistributedDataParallel(model_with_unused_head(cfg))  # parallel.find_unused_parameters=false
+    batch = next(iter(loaders.build_loaders(*loaders.datasets(cfg), cfg, WORLD_OF_ONE, 0)[0]))
+    finished = pytest.raises(RuntimeError, match="Expected to have finished reduction")
+    with finished as raised, parallel.unreduced_parameters_named():
+        for _ in range(2):  # DDP finds the missing gradient at the next step's forward
+            task.loss_sum(model, batch).backward()
+    (note,) = raised.value.__notes__
+    assert "set parallel.find_unused_parameters=true" in note and ".tools.diagnose unused` lists them" in note
 
 
 def test_the_default_units_are_the_blocks_of_the_largest_module_list():

@@ -46,7 +46,14 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
     routed = name == "routed"  # some pairs of samples leave experts without a gradient: a rank's batch can too
     assert diagnose.main(["unused", "--config", SMOKE_CONFIG]) == routed
     said = capsys.readouterr().out
-    assert ("parallel.find_unused_parameters=true" in said and "experts.3.weight" in said) == routed, said
+    assert ("set parallel.find_unused_parameters=true" in said and "experts.3.weight" in said) == routed, said
+    assert diagnose.main(["unused", "--config", SMOKE_CONFIG, *SETTINGS.get(name, [])]) == 0  # as its project sets
+    said = capsys.readouterr().out
+    assert ("which parallel.find_unused_parameters=true reduces" in said and "experts.3.weight" in said) == routed
+    if routed:  # its forward reads which expert each token picks: fake tensors cannot trace it
+        with pytest.raises(SystemExit) as exit_code:
+            diagnose.main(["memory", "--config", SMOKE_CONFIG])
+        assert exit_code.value.code == 2 and "reads its data's values" in capsys.readouterr().err
 
     checked = config.load(SMOKE_CONFIG, [*smoke.SMOKE_RUN, *QUICK, "train.max_steps=4", f"run.out_dir={tmp_path}"])
     failed = [what for verdict, what, _ in smoke.run_checks(checked, WORLD_OF_ONE) if verdict == "FAIL"]

@@ -94,7 +94,8 @@ def run(
     `main`) are started here and told the run's end; the caller waits for them. `sources`: what
     `cfg` was built from, recorded in the run's config.yaml."""
     try:
-        return train_and_save(cfg, info, trackers, sources)
+        with parallel.unreduced_parameters_named():
+            return train_and_save(cfg, info, trackers, sources)
     finally:  # however the run ends, a checkpoint write in flight ends before the process group
         sharded_checkpoint.WRITES.close(cfg.dist.timeout_minutes)
 

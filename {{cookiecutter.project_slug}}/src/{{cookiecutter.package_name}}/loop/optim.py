@@ -74,7 +74,9 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Opt
     if settings.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(settings.betas), fused=fused)
     if settings.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov, fused=fused)
+        # multi-tensor, not fused: fused SGD takes every momentum buffer at once and fails (TypeError)
+        # once a parameter gets its first gradient after others had theirs, as a routed model's expert does
+        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov, foreach=True)
     return torch.optim.Adafactor(groups, lr=lr, foreach=True)  # config.py checks torch has it
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -174,6 +174,22 @@ def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo
             fully_shard(unit, mp_policy=mixed, **options)
     fully_shard(model, mp_policy=mixed, **options)
     return model
+
+
+@contextmanager
+def unreduced_parameters_named():
+    """DDP's error for a parameter that a step left without a gradient names DDP's own argument:
+    add this project's setting, and the command that lists such parameters."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "Expected to have finished reduction in the prior iteration" in str(error):
+            error.add_note(
+                "parameters got no gradient on a rank (a routed model's experts on some batches): set "
+                "parallel.find_unused_parameters=true, or freeze those that never get one; "
+                f"`python -m {__package__.rpartition('.')[0]}.tools.diagnose unused` lists them"
+            )
+        raise
 
 
 def micro_batch(model: nn.Module, syncs: bool, cfg: Config, info: DistInfo):

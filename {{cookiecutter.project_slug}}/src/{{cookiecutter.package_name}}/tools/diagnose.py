@@ -27,7 +27,7 @@ from .. import config, task
 from ..base import batching, cpus, hardware, processes, records
 from ..base.dist import DistInfo
 from ..base.hardware import Gpu
-from ..base.rules import exit_on_user_error
+from ..base.rules import ConfigError, exit_on_user_error
 from ..base.rundir import RunDir
 from ..config import Config
 from ..loop import loaders, parallel
@@ -147,6 +147,25 @@ def unused_parameters(cfg: Config, model: torch.nn.Module) -> tuple[list[str], l
     pairs = [train_loader.collate_fn([train_set[i], train_set[i + 1]]) for i in first]
     sometimes = {name for pair in pairs for name in without_gradient(model, pair)} - set(never)
     return never, [name for name, _ in model.named_parameters() if name in sometimes]
+
+
+def unused_advice(never: list[str], sometimes: list[str], reduced: bool) -> str:
+    """What to do about them; `reduced`: ddp with parallel.find_unused_parameters=true, which
+    reduces zeros for a parameter that a rank's batch left without a gradient."""
+    if never:
+        return (
+            "parameters without a gradient after one step (freeze them with requires_grad_(False), "
+            "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
+        )
+    routed = "parameters that some batches leave without a gradient (a routed model's experts)"
+    if sometimes and reduced:
+        return f"{routed}, which parallel.find_unused_parameters=true reduces under ddp:"
+    if sometimes:
+        return (
+            f"{routed}: under ddp set parallel.find_unused_parameters=true; under fsdp every rank must give them "
+            "one (pytorch#158719): run each expert on its empty selection instead of skipping it"
+        )
+    return "every parameter gets a gradient: keep parallel.find_unused_parameters=false"
 
 
 def without_gradient(model: torch.nn.Module, batch) -> list[str]:
@@ -320,7 +339,7 @@ def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
     """memory_report for the configured model and micro-batch (the training loader's first, of
     data.batch_size samples), the model built on the meta device, then traced on fake tensors:
     shapes and dtypes, no memory for the weights or the activations, at any size."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
     train_set, eval_set = loaders.datasets(cfg)
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
@@ -328,9 +347,16 @@ def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
     batch = task.to_device(next(iter(train_loader)), torch.device("cpu"))
     with torch.device("meta"):
         model = (build or task.build_model)(cfg)
-    with FakeTensorMode(allow_non_fake_inputs=True):  # the batch's real tensors become fake where they meet the model
-        on_fake_cpu(model)
-        return memory_report(cfg, model, batch, ranks, gpu_gb)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the batch's real tensors become fake where they meet it
+            on_fake_cpu(model)
+            return memory_report(cfg, model, batch, ranks, gpu_gb)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise ConfigError(
+            f"diagnose memory: the model's forward reads its data's values ({type(error).__name__}; a routed model's "
+            "choice of experts does), which the estimate on fake tensors cannot follow; measure it instead: "
+            "the smoke check's peak memory per device, on the GPUs"
+        ) from None
 
 
 def on_fake_cpu(model: torch.nn.Module) -> None:
@@ -379,21 +405,10 @@ def main(argv=None) -> int:
         return 0
     if args.command == "unused":
         never, sometimes = unused_parameters(cfg, load_model_factory(args.model)(cfg))
-        if never:
-            print(
-                "parameters without a gradient after one step (freeze them with requires_grad_(False), "
-                "remove them, or set parallel.find_unused_parameters=true at a 10-20% cost):"
-            )
-        elif sometimes:
-            print(
-                "parameters that some batches leave without a gradient (a routed model's experts): under ddp set "
-                "parallel.find_unused_parameters=true; under fsdp every rank must give them one (pytorch#158719): "
-                "run each expert on its empty selection instead of skipping it"
-            )
-        else:
-            print("every parameter gets a gradient: keep parallel.find_unused_parameters=false")
+        reduced = cfg.parallel.strategy == "ddp" and cfg.parallel.find_unused_parameters
+        print(unused_advice(never, sometimes, reduced))
         print("".join(f"  {name}\n" for name in never or sometimes), end="")
-        return 1 if never or sometimes else 0
+        return 1 if never or (sometimes and not reduced) else 0
     nproc = args.nproc or torch.cuda.device_count() or 2
     try:
         paths, stop = config.files(args.config), processes.StopSignals()
