@@ -268,7 +268,13 @@ def test_a_failure_report_is_one_write_so_the_ranks_lines_never_run_together(mon
     stderr = Writes()
     monkeypatch.setattr(sys, "stderr", stderr)
     dist.report_failure(DistInfo(1, 1, 2, 2, torch.device("cpu"), "gloo"), ValueError("bad sample 12"))
-    assert stderr.calls == ["[rank 1/2] ValueError: bad sample 12\n"]
+    noted = RuntimeError("DDP's words")
+    noted.add_note("set parallel.find_unused_parameters=true")  # the fix, as the loop adds it
+    dist.report_failure(DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo"), noted)
+    assert stderr.calls == [
+        "[rank 1/2] ValueError: bad sample 12\n",
+        "[rank 0/2] RuntimeError: DDP's words\n  set parallel.find_unused_parameters=true\n",
+    ]
 
 
 def test_a_world_of_one_builds_without_a_collective(monkeypatch):

@@ -305,5 +305,6 @@ def print0(info: DistInfo, *args, **kwargs) -> None:
 def report_failure(info: DistInfo, error: BaseException) -> None:
     """Any rank's exception reaches the user, with the rank that raised it."""
     # one write with its newline, as in config.exit_on_user_error: the ranks' lines do not interleave
-    sys.stderr.write(f"[rank {info.rank}/{info.world_size}] {type(error).__name__}: {error}\n")
+    notes = "".join(f"\n  {note}" for note in getattr(error, "__notes__", ()))  # the fix, where the loop knows it
+    sys.stderr.write(f"[rank {info.rank}/{info.world_size}] {type(error).__name__}: {error}{notes}\n")
     sys.stderr.flush()

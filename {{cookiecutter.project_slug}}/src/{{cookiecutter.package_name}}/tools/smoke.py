@@ -298,7 +298,8 @@ def smoke(cfg: config.Config, info: DistInfo) -> int:
     if info.is_main:
         shutil.rmtree(cfg.run_dir.root, ignore_errors=True)  # a clean run directory every time
     dist.barrier()
-    results = run_checks(cfg, info)
+    with parallel.unreduced_parameters_named():
+        results = run_checks(cfg, info)
     dist.print0(info, checks.table("smoke", results))
     return checks.exit_code(results)
 
