@@ -133,20 +133,31 @@ def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
     return verdict, "/dev/shm", f"{free_gib:.1f} GiB free{hint}"
 
 
-def unused_parameters(cfg: Config, model: torch.nn.Module) -> tuple[list[str], list[str]]:
-    """Names of the parameters whose .grad is None after one plain (non-DDP) step on a real batch
-    of the training loader, with the task's own loss; then of those that have one there but not
-    after a step on some pair of the first samples (a routed model's experts that no token of a
-    small batch chose: a rank's batch can leave them without one too)."""
+def unused_parameters(cfg: Config, model: torch.nn.Module) -> list[str]:
+    """Names of parameters whose .grad is None after one plain (non-DDP) step on a real batch
+    of the training loader, with the task's own loss."""
+    _, train_loader = training_loader(cfg)
+    model.train()
+    return without_gradient(model, next(iter(train_loader)))
+
+
+def sometimes_unused(cfg: Config, model: torch.nn.Module, never: list[str]) -> list[str]:
+    """Names of the parameters, other than `never`, that a step on some pair of the first samples
+    leaves without a gradient: a routed model's experts that no token of a small batch chose (a
+    rank's batch can leave them without one too)."""
+    train_set, train_loader = training_loader(cfg)
+    model.train()
+    firsts = range(0, min(16, len(train_set)) - 1, 2)
+    pairs = [train_loader.collate_fn([train_set[i], train_set[i + 1]]) for i in firsts]
+    sometimes = {name for pair in pairs for name in without_gradient(model, pair)} - set(never)
+    return [name for name, _ in model.named_parameters() if name in sometimes]
+
+
+def training_loader(cfg: Config):
+    """The training set and its loader, as one process reads them."""
     train_set, eval_set = loaders.datasets(cfg)
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0)
-    model.train()
-    never = without_gradient(model, next(iter(train_loader)))
-    first = range(0, min(16, len(train_set)) - 1, 2)
-    pairs = [train_loader.collate_fn([train_set[i], train_set[i + 1]]) for i in first]
-    sometimes = {name for pair in pairs for name in without_gradient(model, pair)} - set(never)
-    return never, [name for name, _ in model.named_parameters() if name in sometimes]
+    return train_set, loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0)[0]
 
 
 def unused_advice(never: list[str], sometimes: list[str], reduced: bool) -> str:
@@ -404,7 +415,9 @@ def main(argv=None) -> int:
             print(memory_estimate(cfg, ranks, args.gpu_gb or device_gb(), load_model_factory(args.model)))
         return 0
     if args.command == "unused":
-        never, sometimes = unused_parameters(cfg, load_model_factory(args.model)(cfg))
+        model = load_model_factory(args.model)(cfg)
+        never = unused_parameters(cfg, model)
+        sometimes = sometimes_unused(cfg, model, never)
         reduced = cfg.parallel.strategy == "ddp" and cfg.parallel.find_unused_parameters
         print(unused_advice(never, sometimes, reduced))
         print("".join(f"  {name}\n" for name in never or sometimes), end="")
