@@ -1,7 +1,7 @@
 """Representative baked projects pass their own test suites.
 
 The defaults project runs every tier (`pytest --slow`: the maths proofs, fault drills,
-launchers, the swaps, the seam's contract on two stand-in models), split in four runs (the
+launchers, the swaps, the seam's contract on three stand-in models), split in four runs (the
 drills, the exit-status stress drill, the W&B and MLflow drills with the packed-shards drills,
 the rest) that go side by side; the rest with `--fsdp`, so that its MLP with BatchNorm goes
 through the FSDP proofs, drills and smoke check a ddp project skips, but for the 3-rank proofs,
