@@ -352,9 +352,7 @@ def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
     shapes and dtypes, no memory for the weights or the activations, at any size."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-    train_set, eval_set = loaders.datasets(cfg)
-    world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-    train_loader, _ = loaders.build_loaders(train_set, eval_set, cfg, world_of_one, 0)
+    _, train_loader = training_loader(cfg)
     batch = task.to_device(next(iter(train_loader)), torch.device("cpu"))
     with torch.device("meta"):
         model = (build or task.build_model)(cfg)
