@@ -34,9 +34,10 @@ from helpers import whole_checkpoint  # noqa: E402
 
 from {{ cookiecutter.package_name }} import config, task, train  # noqa: E402
 from {{ cookiecutter.package_name }}.base import dist, preemption, records  # noqa: E402
-from {{ cookiecutter.package_name }}.base.batching import num_samples  # noqa: E402
+from {{ cookiecutter.package_name }}.base.across_ranks import as_one_process, gathers_replaced  # noqa: E402
+from {{ cookiecutter.package_name }}.base.batching import drawn_from  # noqa: E402
 from {{ cookiecutter.package_name }}.base.dist import DistInfo  # noqa: E402
-from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, optim, parallel, sharded_checkpoint  # noqa: E402
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, optim, parallel, preflight, sharded_checkpoint  # noqa: E402
 from {{ cookiecutter.package_name }}.tools import checks  # noqa: E402
 from {{ cookiecutter.package_name }}.tools.checks import FAIL, PASS  # noqa: E402
 from {{ cookiecutter.package_name }}.tools.smoke import CommCounter, counting_allreduce_hook  # noqa: E402
@@ -45,15 +46,15 @@ SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 # of the step's largest gradient: float32 rounding, as the ranks add in another order than one process
 GRADIENT_TOLERANCE = 1e-5
 WEIGHTING_TOLERANCE = 1e-6
-# What makes the loop's gradient differ from one process's on the same samples and weights
+# What makes the loop's gradient differ from one process's on the same samples, weights and random draws
 DRIFT = (
-    "the all-reduced gradient differs from one process's on the union of the batches: check that "
-    "task.loss_sum returns a SUM (not a mean) and count_terms counts its terms; randomness in the forward "
-    "pass (dropout) draws other masks on each side: run the proofs with it off, e.g. model.dropout=0"
+    "the all-reduced gradient differs from one process's on the same samples: check that task.loss_sum "
+    "returns a SUM (not a mean) and count_terms counts its terms, and that the forward keeps no state "
+    "across calls beyond BatchNorm's statistics"
 )
 TOO_FEW_SAMPLES = (
-    "a rank's share of the training set is smaller than one step (data.batch_size x 4 accumulation steps "
-    "in the accumulation proof): pass a smaller data.batch_size after the command"
+    "a rank's share of the training set is smaller than one micro-batch per accumulation step: add training "
+    "samples, or pass a smaller data.batch_size after the command"
 )
 EXACT_MATHS = ["train.precision=fp32", "optim.lr_scaling=none", "data.num_workers=0", "parallel.sync_batchnorm=false"]
 # the sharded loop's proofs: activation checkpointing on, a clip norm every step reaches, and an
@@ -72,20 +73,57 @@ def rank_orders(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
     return orders
 
 
-def reference_gradients(model, batches) -> None:
-    """One process: the summed loss of every batch divided once by all their loss terms.
-
-    Each batch is a forward pass of its own (as on its rank), so BatchNorm sees the same
-    samples together as in the distributed run.
-    """
-    terms = sum(float(task.count_terms(batch)) for batch in batches)
-    loss = sum(task.loss_sum(model, batch) for batch in batches) / terms
-    loss.backward()
+def draw_seed(step: int, rank: int, micro_batch: int) -> int:
+    """The seed of a forward's random draws (dropout, region sampling, noise) in the proofs: the
+    loop's rank r draws for micro-batch k of step s what the reference draws for it."""
+    return hash((step, rank, micro_batch)) % 2**32
 
 
-def step_batches(train_set, collate, world_size: int, step: int, cfg) -> list:
-    """The micro-batches of one optimizer step on every rank, rank by rank (a small dataset's
-    epoch can end within the proofs' steps)."""
+def seeded_loss_sum(model, batch, step: int, rank: int, micro_batch: int) -> torch.Tensor:
+    with drawn_from(draw_seed(step, rank, micro_batch)):
+        return task.loss_sum(model, batch)
+
+
+def rank_losses(model, rank_batches: list, step: int, micro_batch: int) -> list[torch.Tensor]:
+    """One process's loss_sum of each rank's micro-batch, as each rank computes it: its own forward
+    (BatchNorm sees that rank's samples) with that rank's random draws. For a loss that spans ranks
+    (task.LOSS_SPANS_RANKS) each gather returns every rank's rows, as the loop's does: a first pass
+    keeps each rank's rows, with their graphs, and the second gives every rank's loss the others'."""
+    if not preflight.spans_ranks():
+        with as_one_process():
+            return [seeded_loss_sum(model, batch, step, rank, micro_batch) for rank, batch in enumerate(rank_batches)]
+    rows = []  # rows[rank][call]: what that rank's gathers were given
+    for rank, batch in enumerate(rank_batches):
+        kept = []
+        with gathers_replaced(lambda tensor, kept=kept: kept.append(tensor) or (tensor, 0)):
+            seeded_loss_sum(model, batch, step, rank, micro_batch)
+        rows.append(kept)
+    losses = []
+    for rank, batch in enumerate(rank_batches):
+        calls = iter(range(len(rows[rank])))
+
+        def everyone(tensor, rank=rank, calls=calls):
+            call = next(calls)
+            first = sum(len(rows[other][call]) for other in range(rank))
+            return torch.cat([tensor if other == rank else rows[other][call] for other in range(len(rows))]), first
+
+        with gathers_replaced(everyone):
+            losses.append(seeded_loss_sum(model, batch, step, rank, micro_batch))
+    return losses
+
+
+def reference_gradients(model, step_batches: list[list], step: int = 0) -> None:
+    """One process: the summed loss of every rank's micro-batches (step_batches[rank][micro]),
+    each as its rank computes it (rank_losses), divided once by all their loss terms."""
+    terms = sum(float(task.count_terms(batch)) for batches in step_batches for batch in batches)
+    micro_batches = range(len(step_batches[0]))
+    loss = sum(sum(rank_losses(model, [b[k] for b in step_batches], step, k)) for k in micro_batches)
+    (loss / terms).backward()
+
+
+def step_batches(train_set, collate, world_size: int, step: int, cfg) -> list[list]:
+    """The micro-batches of one optimizer step on every rank: [rank][micro-batch] (a small
+    dataset's epoch can end within the proofs' steps)."""
     per_rank, batch = cfg.data.batch_size * cfg.train.grad_accum_steps, cfg.data.batch_size
     steps_per_epoch = len(rank_orders(train_set, cfg, world_size, 0)[0]) // per_rank
     epoch, step = divmod(step, steps_per_epoch)
@@ -93,8 +131,10 @@ def step_batches(train_set, collate, world_size: int, step: int, cfg) -> list:
     if hasattr(train_set, "set_epoch"):  # as train.fit does: per-epoch augmentation
         train_set.set_epoch(epoch)
     step_indices = [shard[step * per_rank : (step + 1) * per_rank] for shard in orders]
-    chunks = [indices[i : i + batch] for indices in step_indices for i in range(0, per_rank, batch)]
-    return [collate([train_set[i] for i in chunk]) for chunk in chunks]
+    return [
+        [collate([train_set[i] for i in indices[start : start + batch]]) for start in range(0, per_rank, batch)]
+        for indices in step_indices
+    ]
 
 
 def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
@@ -114,12 +154,37 @@ def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
         model.load_state_dict(weights)
         model.zero_grad(set_to_none=True)
         model.train()
-        reference_gradients(model, step_batches(train_set, collate, world_size, step, cfg))
+        reference_gradients(model, step_batches(train_set, collate, world_size, step, cfg), step)
         reference = [gradient_of(p) for p in model.parameters()]
         largest = max(g.abs().max().item() for g in reference)
         error = max((zeros_if_none(g, r) - r).abs().max().item() for g, r in zip(gradients, reference, strict=True))
         worst = max(worst, error / largest)
     return worst
+
+
+@contextmanager
+def forwards_seeded(info: DistInfo):
+    """The loop's forwards draw as the reference's do: micro-batch k of optimizer step s on rank r
+    from draw_seed(s, r, k), counting the steps from the first one in it."""
+    accumulate, loss_sum, position = train.accumulate_gradients, task.loss_sum, {"step": 0, "micro": 0}
+
+    def accumulate_counted(job, micro_batches, cfg, info_):
+        position["micro"] = 0
+        try:
+            return accumulate(job, micro_batches, cfg, info_)
+        finally:
+            position["step"] += 1
+
+    def loss_sum_seeded(model, batch):
+        with drawn_from(draw_seed(position["step"], info.rank, position["micro"])):
+            position["micro"] += 1
+            return loss_sum(model, batch)
+
+    train.accumulate_gradients, task.loss_sum = accumulate_counted, loss_sum_seeded
+    try:
+        yield
+    finally:
+        train.accumulate_gradients, task.loss_sum = accumulate, loss_sum
 
 
 @contextmanager
@@ -166,15 +231,24 @@ def exact_config(out: Path, overrides: list[str], *extra: str):
     return config.load(SMOKE, [*EXACT_MATHS, *overrides, f"run.out_dir={out}", "checkpoint.resume=never", *extra])
 
 
+def fitting_batch(cfg, world_size: int, accum: int) -> int:
+    """data.batch_size, or less where a rank's share of the training set holds fewer than `accum`
+    batches of it: the proofs hold at any batch size. 0 where not even one sample a micro-batch fits."""
+    per_rank = len(loaders.datasets(cfg)[0]) // world_size
+    return min(cfg.data.batch_size, per_rank // accum)
+
+
 def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, accum: int, steps: int) -> dict:
-    cfg = exact_config(
-        out, overrides, f"run.name=accum{accum}", f"train.grad_accum_steps={accum}", f"train.max_steps={steps}"
-    )
+    settings = [f"run.name=accum{accum}", f"train.grad_accum_steps={accum}", f"train.max_steps={steps}"]
+    batch = fitting_batch(exact_config(out, overrides, *settings), info.world_size, accum)
+    if batch == 0:
+        return {"steps": 0, "gradient_error": 0.0, "update_error": 0.0, "buckets_per_sync": [], "micro_batches": 0}
+    cfg = exact_config(out, overrides, *settings, f"data.batch_size={batch}")
     job = train.build(cfg, info)
     counter, recorded = CommCounter(), []
     if not dist.sharded(job.model):
         job.model.register_comm_hook(counter, counting_allreduce_hook)
-    with steps_recorded(recorded), train.training_log(job, cfg, info) as log:
+    with forwards_seeded(info), steps_recorded(recorded), train.training_log(job, cfg, info) as log:
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
     update = reference_update_error(cfg, job, recorded, whole_weights(job.model))
     measured = dist.sharded(job.model) and accum == 1  # the sharded run's evaluation and memory, once
@@ -187,6 +261,7 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
         "steps": job.state.step,
         "buckets_per_sync": counter.buckets_per_sync,
         "micro_batches": steps * accum,
+        "batch_size": batch,
     }
 
 
@@ -212,15 +287,15 @@ def reference_update_error(cfg, job: train.Job, steps: list, final_weights: dict
 
 def sharded_evaluation(job: train.Job, cfg, info: DistInfo) -> dict:
     """The sharded model's evaluation, and one plain process's with the same whole weights
-    (rank 0's BatchNorm statistics, which the loop's evaluation broadcasts first). Every rank
-    evaluates alone for the latter, so its sums (and sample count) are the world size's multiple;
-    its metrics, ratios of sums, are one process's."""
-    ours = train.evaluate(job.model, job.eval_loader, cfg, info)
+    (rank 0's BatchNorm statistics, which the loop's evaluation broadcasts first): every rank
+    evaluates alone for the latter, in a world of one."""
+    ours = train.evaluate(job.model, job.eval_loader, cfg, info, job.reference_loader)
     model = task.build_model(cfg)
     model.load_state_dict(whole_weights(job.model))
     train_set, eval_set = loaders.datasets(cfg)
     eval_loader = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[1]
-    alone = train.evaluate(model, eval_loader, cfg, world_of_one())
+    reference = loaders.reference_loader(train_set, cfg, world_of_one(), 0)
+    alone = train.evaluate(model, eval_loader, cfg, world_of_one(), reference)
     return {"evaluation": ours, "evaluation_alone": alone, "eval_set": len(eval_set)}
 
 
@@ -291,6 +366,9 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     loop's gradient must still equal one process on their union."""
     task.TERMS_PER_SAMPLE = None  # the count-free path assumes equal batches, which this proof breaks on purpose
     cfg = exact_config(out, overrides, "run.name=weighting")
+    sizes = unequal_sizes(info.world_size)
+    if len(loaders.datasets(cfg)[0]) < sum(sizes):
+        return {"terms": [], "unreduced": f"the training set holds fewer than the {sum(sizes)} samples this proof uses"}
     job = train.build(cfg, info)
     reference = copy.deepcopy(dist.bare(job.model))
     batches = unequal_batches(cfg, job.train_loader.collate_fn, info.world_size)
@@ -300,12 +378,14 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     if unreduced:
         return {"terms": terms, "unreduced": unreduced}
     job.model.train()
-    train.accumulate_gradients(job, [batches[info.rank]], cfg, info)
+    with forwards_seeded(info):
+        train.accumulate_gradients(job, [batches[info.rank]], cfg, info)
     reference.zero_grad(set_to_none=True)
-    reference_gradients(reference, batches)
+    reference_gradients(reference, [[batch] for batch in batches])
     mean_of_means = copy.deepcopy(reference)
     mean_of_means.zero_grad(set_to_none=True)
-    sum(task.loss_sum(mean_of_means, b) / float(task.count_terms(b)) for b in batches).div(len(batches)).backward()
+    losses = rank_losses(mean_of_means, batches, 0, 0)
+    sum(loss / terms for loss, terms in zip(losses, terms, strict=True)).div(len(batches)).backward()
     gradients = [list(map(gradient_of, m.parameters())) for m in (job.model, reference, mean_of_means)]
     pairs = list(zip(*gradients, strict=True))
     return {
@@ -315,10 +395,14 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     }
 
 
+def unequal_sizes(world_size: int) -> list[int]:
+    return [3 + 5 * rank for rank in range(world_size)]
+
+
 def unequal_batches(cfg, collate, world_size: int) -> list:
     """A batch for each rank, of 3, 8, 13 ... samples."""
     train_set, _ = loaders.datasets(cfg)
-    sizes = [3 + 5 * rank for rank in range(world_size)]
+    sizes = unequal_sizes(world_size)
     starts = [sum(sizes[:rank]) for rank in range(world_size)]
     indices = [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
     return [collate([train_set[i] for i in chosen]) for chosen in indices]
@@ -331,9 +415,10 @@ def unreduced_parameters(model, batches: list, cfg) -> str | None:
     if len(batches) == 1:  # one process: nothing to reduce
         return None
     missing = []
-    for batch in batches:
+    for rank, batch in enumerate(batches):
         model.zero_grad(set_to_none=True)
-        task.loss_sum(model, batch).backward()
+        with as_one_process():  # a loss that spans ranks: the gradients of this rank's own forward
+            seeded_loss_sum(model, batch, 0, rank, 0).backward()
         missing.append({name for name, p in model.named_parameters() if p.requires_grad and p.grad is None})
     model.zero_grad(set_to_none=True)
     rank, names = next(((rank, sorted(names)) for rank, names in enumerate(missing) if names), (None, []))
@@ -342,7 +427,7 @@ def unreduced_parameters(model, batches: list, cfg) -> str | None:
     if not names or reduced:
         return None
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    where = f"rank {rank}'s {num_samples(batches[rank])} samples leave {shown} without a gradient"
+    where = f"rank {rank}'s {unequal_sizes(len(batches))[rank]} samples leave {shown} without a gradient"
     if sharded:
         return (
             f"{where}, other ranks' do not: FSDP2 reduce-scatters only the gradients a rank has (pytorch#158719); "
@@ -407,7 +492,9 @@ class Recorded(Dataset):
 
 def prove_epochs_reshuffle(out: Path, overrides: list[str], info: DistInfo, epochs: int = 3) -> dict:
     """The order each rank reads its shard in, epoch by epoch, in the loop's own run."""
-    cfg = exact_config(out, overrides, "run.name=epochs", "train.max_steps=null", f"train.epochs={epochs}")
+    settings = ["run.name=epochs", "train.max_steps=null", f"train.epochs={epochs}", "train.grad_accum_steps=1"]
+    batch = fitting_batch(exact_config(out, overrides, *settings), info.world_size, 2)
+    cfg = exact_config(out, overrides, *settings, f"data.batch_size={max(batch, 1)}")
     per_epoch = 2 * cfg.data.batch_size  # each rank's shard: two steps an epoch
     datasets = {}
 
@@ -442,7 +529,8 @@ def prove_eval_counts(overrides: list[str], info: DistInfo) -> dict:
     model = task.build_model(cfg)
     train_set, eval_set = loaders.datasets(cfg)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, 0)
-    return train.evaluate(model, eval_loader, cfg, info) | {"dataset_size": len(eval_set)}
+    reference = loaders.reference_loader(train_set, cfg, info, 0)
+    return train.evaluate(model, eval_loader, cfg, info, reference) | {"dataset_size": len(eval_set)}
 
 
 def verdicts(results: dict) -> list[checks.Row]:
@@ -455,10 +543,12 @@ def verdicts(results: dict) -> list[checks.Row]:
     for name, what in (("equivalence", "DDP == 1 process"), ("accumulation", "no_sync == big batch")):
         error, steps = results[name]["gradient_error"], results[name]["steps"]
         detail = f"gradient differs by {error:.1e} of the largest ({steps} steps)"
+        if name == "accumulation" and results.get("spans_ranks"):
+            detail += "; the loss spans ranks: a micro-batch's terms see that micro-batch of every rank"
         if steps == 0:  # nothing compared proves nothing
             rows.append((FAIL, what, f"no optimizer step ran; {TOO_FEW_SAMPLES}"))
         else:
-            rows.append((PASS, what, detail) if error < GRADIENT_TOLERANCE else (FAIL, what, f"{detail}; {DRIFT}"))
+            rows.append((PASS, what, detail) if error < GRADIENT_TOLERANCE else (FAIL, what, drifted(detail, results)))
     syncs = len(results["accumulation"]["buckets_per_sync"])
     steps = results["accumulation"]["steps"]
     counted = PASS if syncs == steps > 0 else FAIL
@@ -482,6 +572,49 @@ def verdicts(results: dict) -> list[checks.Row]:
     return rows
 
 
+def drifted(detail: str, results: dict) -> str:
+    """A failed gradient proof's detail, with what drift_causes found, or the causes to look for."""
+    return f"{detail}; {'; '.join(results.get('causes') or [DRIFT])}"
+
+
+def drift_causes(overrides: list[str]) -> list[str]:
+    """What probes of the task find that makes one process's gradient differ from the loop's: a
+    mean where the loop needs a sum (the batch given twice has the same loss, not twice it), or
+    state the forward changes beyond BatchNorm's statistics (which each side then sees otherwise)."""
+    cfg = config.load(SMOKE, [*EXACT_MATHS, *overrides])
+    model = task.build_model(cfg).train()
+    train_set, eval_set = loaders.datasets(cfg)
+    collate = loaders.build_loaders(train_set, eval_set, cfg, world_of_one(), 0)[0].collate_fn
+    samples = [train_set[i] for i in range(min(4, len(train_set)))]
+    statistics = {
+        f"{name}.{buffer}" if name else buffer
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+        for buffer, _ in module.named_buffers(recurse=False)
+    }
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with torch.no_grad(), as_one_process():
+        once = float(seeded_loss_sum(model, collate(samples), 0, 0, 0))
+        twice = float(seeded_loss_sum(model, collate(samples + samples), 0, 0, 0))
+    causes = []
+    if once and abs(twice / once - 1) < 0.25:
+        causes.append(
+            f"task.loss_sum looks like a mean: the same samples given twice gave {twice / once:.2f} times their loss, "
+            "where a sum gives 2 (multiply a mean by count_terms(batch))"
+        )
+    changed = [
+        name
+        for name, buffer in model.named_buffers()
+        if name not in statistics and (name not in before or not torch.equal(buffer, before[name]))
+    ]
+    if changed:
+        causes.append(
+            f"the forward changes the model's state ({', '.join(changed[:3])}): the loop's ranks and the reference "
+            "see it at other points; keep such state out of the forward the proofs run"
+        )
+    return causes
+
+
 def sharded_verdicts(results: dict) -> list[checks.Row]:
     """One row per proof of the sharded loop (`--only fsdp`)."""
     rows = []
@@ -494,7 +627,8 @@ def sharded_verdicts(results: dict) -> list[checks.Row]:
         error, update, steps = result["gradient_error"], result["update_error"], result["steps"]
         detail = f"gradient {error:.1e}, update {update:.1e} of the largest ({steps} steps)"
         held = steps > 0 and error < GRADIENT_TOLERANCE and update < UPDATE_TOLERANCE
-        rows.append((PASS, what, detail) if held else (FAIL, what, f"{detail}; {DRIFT}" if steps else TOO_FEW_SAMPLES))
+        failed = drifted(detail, results) if steps else TOO_FEW_SAMPLES
+        rows.append((PASS, what, detail) if held else (FAIL, what, failed))
     result = results["equivalence"]
     counted = result["evaluation"]["eval_samples"] == result["eval_set"]
     alike = metrics_alike(result["evaluation"], result["evaluation_alone"])
@@ -686,6 +820,17 @@ def prove_failed_background_write(out: Path, overrides: list[str], info: DistInf
     return {"raised": dist.all_gather_objects(raised), "published": published}
 
 
+def with_causes(results: dict, overrides: list[str]) -> dict:
+    """Whether the loss spans ranks, and, where a gradient proof failed, what drift_causes finds (on
+    every rank alike: no collective)."""
+    failed = any(
+        results[name]["gradient_error"] >= GRADIENT_TOLERANCE
+        for name in ("equivalence", "accumulation", "accumulation_whole")
+        if name in results
+    )
+    return {"spans_ranks": preflight.spans_ranks(), "causes": drift_causes(overrides) if failed else []}
+
+
 def prove(args: argparse.Namespace, info: DistInfo) -> int:
     if args.resume is not None:
         result = prove_resume(args.out, args.overrides, info, args.resume)
@@ -695,6 +840,8 @@ def prove(args: argparse.Namespace, info: DistInfo) -> int:
     if args.only in ("fsdp", "memory"):
         sharded = args.only == "fsdp"
         results = (prove_sharded if sharded else prove_memory)(args.out, args.overrides, info)
+        if sharded:
+            results |= with_causes(results, args.overrides)
         rows = sharded_verdicts(results) if sharded else [memory_verdict(results)]
         if info.is_main:
             (args.out / f"{args.only}-{info.world_size}.json").write_text(json.dumps(results))
@@ -714,6 +861,7 @@ def prove(args: argparse.Namespace, info: DistInfo) -> int:
         }
         if not sharded_checkpoint.floor_problem():  # background writes are sharded: torch>=2.8
             results["failed_write"] = prove_failed_background_write(args.out, args.overrides, info)
+        results |= with_causes(results, args.overrides)
     rows = verdicts(results)
     if info.is_main:
         (args.out / f"proofs-{info.world_size}.json").write_text(json.dumps(results))

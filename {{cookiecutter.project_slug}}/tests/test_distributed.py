@@ -74,11 +74,30 @@ def test_every_rank_leaves_no_thread_of_the_process_group_behind_at_exit(proofs_
 
 def test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_causes(proofs):
     drifted = copy.deepcopy(proofs)
-    drifted["equivalence"]["gradient_error"] = 0.47  # what dropout on gave in a user's swap
+    drifted["equivalence"]["gradient_error"] = 0.47
     rows = dist_proofs.verdicts(drifted)
     assert [verdict for verdict, _, _ in rows].count(FAIL) == 1 and checks.exit_code(rows) == 1
     failed = next(detail for verdict, _, detail in rows if verdict == FAIL)
-    assert "4.7e-01" in failed and "SUM" in failed and "dropout" in failed
+    assert "4.7e-01" in failed and "SUM" in failed  # no probe found a cause: what to check
+    drifted["causes"] = ["task.loss_sum looks like a mean"]
+    failed = next(detail for verdict, _, detail in dist_proofs.verdicts(drifted) if verdict == FAIL)
+    assert failed.endswith("(6 steps); task.loss_sum looks like a mean")
+
+
+def test_the_probes_find_a_mean_where_the_loop_needs_a_sum_and_state_a_forward_keeps(monkeypatch):
+    assert dist_proofs.drift_causes([]) == []  # the project's task: a sum, no state
+    loss_sum = task.loss_sum
+    monkeypatch.setattr(task, "loss_sum", lambda model, batch: loss_sum(model, batch) / task.count_terms(batch))
+    (cause,) = dist_proofs.drift_causes([])
+    assert cause.startswith("task.loss_sum looks like a mean: the same samples given twice gave 1.00 times")
+
+    def counts_its_calls(model, batch):
+        model.register_buffer("calls", getattr(model, "calls", torch.zeros(())) + 1)  # state the forward keeps
+        return loss_sum(model, batch)
+
+    monkeypatch.setattr(task, "loss_sum", counts_its_calls)
+    (cause,) = dist_proofs.drift_causes([])
+    assert cause.startswith("the forward changes the model's state (calls)")
 
 
 def test_a_proof_that_ran_no_step_fails_instead_of_passing_on_nothing(proofs):
@@ -131,7 +150,8 @@ def test_every_rank_builds_the_same_initial_weights(proofs):
 
 def test_unequal_loader_lengths_stop_every_rank_at_start_up_instead_of_hanging(proofs):
     messages = proofs["unequal_lengths"]["messages"]  # raised by train.build, the loop's own start-up
-    shard = len(task.build_datasets(config.load(SMOKE_CONFIG))[0]) // 2 // 16
+    cfg = config.load(SMOKE_CONFIG)
+    shard = len(task.build_datasets(cfg)[0]) // 2 // cfg.data.batch_size
     assert all(f"train loader length differs across ranks ({shard - 2}..{shard} batches" in m for m in messages)
 
 
@@ -141,7 +161,7 @@ def test_every_rank_reads_its_shard_in_a_new_order_each_epoch(proofs):
     for epochs in orders:
         assert len({tuple(order) for order in epochs}) == 3  # sampler.set_epoch at every epoch
     for shards in zip(*orders, strict=True):
-        assert sorted(shards[0] + shards[1]) == list(range(64))  # together, every sample once
+        assert sorted(shards[0] + shards[1]) == list(range(2 * len(shards[0])))  # together, every sample once
     assert dist_proofs.reshuffle_verdict(orders)[0] == PASS
 
 
@@ -182,6 +202,10 @@ def leaves(batch) -> list:
     return [batch]
 
 
+def same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in():
     """A small dataset's epoch can end within the proofs' steps: the reference must follow the
     loader into the next epoch, not read past the end of epoch 0."""
@@ -192,13 +216,14 @@ def test_the_reference_takes_each_ranks_batches_from_the_epoch_a_step_falls_in()
     epoch_1_loaders = [loaders.build_loaders(train_set, eval_set, cfg, info, 0)[0] for info in ranks]
     steps_per_epoch = len(epoch_1_loaders[0]) // cfg.train.grad_accum_steps
     reference = dist_proofs.step_batches(train_set, collate, 2, steps_per_epoch, cfg)  # epoch 1's first step
+    reference = [micro_batches[0] for micro_batches in reference]  # [rank][micro-batch]: one micro-batch a step
     for loader in epoch_1_loaders:
         loader.sampler.set_epoch(1)
     if hasattr(train_set, "set_epoch"):
         train_set.set_epoch(1)
     loop = [next(iter(loader)) for loader in epoch_1_loaders]
     for ours, theirs in zip(reference, loop, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(leaves(ours), leaves(theirs), strict=True))
+        assert all(same(a, b) for a, b in zip(leaves(ours), leaves(theirs), strict=True))
 
 
 @pytest.fixture(scope="module")

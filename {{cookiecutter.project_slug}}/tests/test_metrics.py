@@ -7,27 +7,25 @@ import pytest
 import torch
 from conftest import SMOKE_CONFIG, read_metrics
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.data import DistributedSampler
 
 from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import Throughput
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import metrics, profiling
-from {{ cookiecutter.package_name }}.loop.metrics import Totals, TrainingLog, real_sample_mask
+from {{ cookiecutter.package_name }}.loop.evaluation import Totals
+from {{ cookiecutter.package_name }}.loop.metrics import TrainingLog
 from {{ cookiecutter.package_name }}.loop.profiling import StepClock
+from {{ cookiecutter.package_name }}.loop.samplers import EvalBatches
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
-@pytest.mark.parametrize("size", [509, 512, 5])
-def test_padding_mask_keeps_each_sample_once(world, size):
-    seen = []
-    for rank in range(world):
-        info = DistInfo(rank, rank, world, world, torch.device("cpu"), "gloo")
-        shard = list(DistributedSampler(range(size), num_replicas=world, rank=rank, shuffle=False))
-        mask = real_sample_mask(0, len(shard), info, size, "cpu")
-        seen += [index for index, real in zip(shard, mask.tolist(), strict=True) if real]
-    assert sorted(seen) == list(range(size))
+@pytest.mark.parametrize("size", [509, 512, 5, 0])
+def test_evaluation_batches_count_each_sample_once_in_the_same_batches_on_any_world_size(world, size):
+    plans = [EvalBatches(size, 16, world, rank).plan for rank in range(world)]
+    assert len({len(plan) for plan in plans}) == 1  # as many batches on every rank: a sharded model gathers in each
+    counted = [tuple(indices) for plan in plans for indices, repeat in plan if not repeat]
+    assert sorted(counted) == [tuple(range(start, min(start + 16, size))) for start in range(0, size, 16)]
 
 
 def test_totals_accumulate_in_float64():

@@ -102,17 +102,15 @@ def test_a_declared_terms_per_sample_that_count_terms_contradicts_is_named(piece
         preflight.check_task(*pieces)
 
 
-def test_fixed_terms_per_sample_need_no_collective_and_are_checked_every_step(pieces, monkeypatch):
-    _, (train_set, train_loader), _ = pieces
-    batches = [batching.first_samples(train_set, train_loader, 4), batching.first_samples(train_set, train_loader, 4)]
+def test_fixed_terms_per_sample_need_no_collective_and_are_checked_every_step(monkeypatch):
     world = DistInfo(0, 0, 4, 4, torch.device("cpu"), "gloo")
     collectives = []
     monkeypatch.setattr(train.dist, "all_reduce_sum", lambda tensor: collectives.append(tensor) or tensor * 4)
-    assert train.step_terms(8.0, batches, world) == 32.0 and not collectives
+    assert train.step_terms(8.0, 8, world) == 32.0 and not collectives  # 8 terms in this rank's 8 samples
     with pytest.raises(TaskError, match="count_terms gave 9 terms for 8 samples, but task.TERMS_PER_SAMPLE is 1"):
-        train.step_terms(9.0, batches, world)
+        train.step_terms(9.0, 8, world)
     monkeypatch.setattr(task, "TERMS_PER_SAMPLE", None)  # a varying count: the general path all-reduces it
-    assert train.step_terms(8.0, batches, world).item() == 32.0 and len(collectives) == 1
+    assert train.step_terms(8.0, 8, world).item() == 32.0 and len(collectives) == 1
 
 
 def test_an_empty_dataset_is_named(pieces):

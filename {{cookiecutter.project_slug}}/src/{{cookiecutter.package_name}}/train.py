@@ -27,18 +27,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 from . import config, task
-from .base import cpus, dist, hardware, preemption, records
-from .base.batching import num_samples
+from .base import cpus, dist, hardware, preemption
 from .base.dist import DistInfo
 from .base.rules import ConfigError, exit_on_user_error
 from .config import Config
 from .loop import checkpoint, elastic, loaders, optim, parallel, sharded_checkpoint, tensorboard, tracking
 from .loop.checkpoint import TrainState
-from .loop.metrics import Totals, TrainingLog, Window, real_sample_mask
+from .loop.evaluation import evaluate
+from .loop.metrics import TrainingLog, Window
 from .loop.preflight import check_declared_terms, check_task
 from .loop.profiling import ProfileWindow, StepClock, profile_window
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+AUTOCAST_DTYPES = hardware.AUTOCAST_DTYPES
 
 
 class Outcome(enum.Enum):
@@ -159,6 +159,7 @@ class Job:
     profiler: ProfileWindow | None  # run.profile_steps; None when off
     units: list[nn.Module]  # parallel.strategy=fsdp: the modules sharded one by one (task.shard_units)
     asked: dict | None = None  # the settings as given, before another world size split the global batch anew
+    reference_loader: DataLoader | None = None  # task.reference_set's, for dataset_metrics; None without one
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
@@ -171,7 +172,9 @@ def build(cfg: Config, info: DistInfo) -> Job:
     )
     workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
-    check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader))  # on the CPU, before any transfer
+    reference_loader = loaders.reference_loader(train_set, cfg, info, workers)  # task.reference_set, if any
+    # on the CPU, before any transfer
+    check_task(raw_model, (train_set, train_loader), (eval_set, eval_loader), reference_loader)
     # the seam names units in the model as built: fully_shard changes their classes (FSDPBlock)
     units = parallel.units(raw_model) if cfg.parallel.strategy == "fsdp" else []
     model = wrap(raw_model, cfg, info)
@@ -191,7 +194,9 @@ def build(cfg: Config, info: DistInfo) -> Job:
     )
     profiler = profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info)
     clock = StepClock(info.device)
-    return Job(model, state, train_loader, eval_loader, total_steps, global_batch, clock, profiler, units)
+    job = Job(model, state, train_loader, eval_loader, total_steps, global_batch, clock, profiler, units)
+    job.reference_loader = reference_loader
+    return job
 
 
 def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
@@ -351,7 +356,7 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     union of all the micro-batches, however the terms are spread over ranks.
     """
     local_terms = float(sum(task.count_terms(batch) for batch in micro_batches))
-    loss_scale = info.world_size / step_terms(local_terms, micro_batches, info)
+    loss_scale = info.world_size / step_terms(local_terms, len(micro_batches) * cfg.data.batch_size, info)
     total = torch.zeros((), device=info.device)
     for index, batch in enumerate(micro_batches):
         syncs = index == len(micro_batches) - 1  # the last micro-batch always reduces
@@ -363,8 +368,8 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     return total, local_terms
 
 
-def step_terms(local_terms: float, micro_batches: list, info: DistInfo) -> float | torch.Tensor:
-    """Loss terms of this optimizer step summed over every rank.
+def step_terms(local_terms: float, samples: int, info: DistInfo) -> float | torch.Tensor:
+    """Loss terms of this optimizer step summed over every rank; `samples`: this rank's.
 
     When each sample holds task.TERMS_PER_SAMPLE terms no collective is needed: every rank
     runs the same number of full batches (drop_last), so the sum is world size x local.
@@ -372,7 +377,7 @@ def step_terms(local_terms: float, micro_batches: list, info: DistInfo) -> float
     """
     if task.TERMS_PER_SAMPLE is None:
         return all_reduced_terms(local_terms, info)
-    check_declared_terms(local_terms, sum(num_samples(batch) for batch in micro_batches))
+    check_declared_terms(local_terms, samples)
     return local_terms * info.world_size
 
 
@@ -385,9 +390,7 @@ def all_reduced_terms(local_terms: float, info: DistInfo) -> torch.Tensor:
 
 def autocast(cfg: Config, info: DistInfo):
     """The forward passes' precision: bf16/fp16 autocast, or a disabled one for fp32."""
-    return torch.autocast(
-        info.device.type, dtype=AUTOCAST_DTYPES[cfg.train.precision], enabled=cfg.train.precision != "fp32"
-    )
+    return hardware.autocast(cfg.train.precision, info.device)
 
 
 def optimizer_step(model: nn.Module, state: TrainState, cfg: Config) -> torch.Tensor | None:
@@ -425,30 +428,8 @@ def save_checkpoint(job: Job, cfg: Config, info: DistInfo, final: bool = False) 
 
 
 def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
-    log.evaluation(job.state.step, job.state.epoch, evaluate(job.model, job.eval_loader, cfg, info))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, cfg: Config, info: DistInfo) -> dict:
-    """The task's metrics over every eval sample exactly once, whatever the world size, as
-    metrics.jsonl records them (records.evaluation). Leaves the model in train mode."""
-    model = dist.without_ddp(model)  # no collective in a forward: ranks may hold different batch counts
-    # DDP sends rank 0's buffers at the start of each forward, so after a step every rank holds
-    # BatchNorm statistics of its own batch: evaluate rank 0's, the model the checkpoint saves
-    dist.broadcast_buffers(model)
-    model.eval()
-    totals = Totals(info.device)
-    position = 0
-    for batch in loader:
-        size = num_samples(batch)
-        with autocast(cfg, info):
-            sums = task.eval_sums(model, task.to_device(batch, info.device))
-        real = real_sample_mask(position, size, info, len(loader.dataset), info.device)
-        position += size
-        totals.add(samples=real.sum(), **{name: values[real].sum() for name, values in sums.items()})
-    reduced = totals.reduced()
-    model.train()
-    return records.evaluation(task.metrics(reduced), int(reduced["samples"]))
+    results = evaluate(job.model, job.eval_loader, cfg, info, job.reference_loader)
+    log.evaluation(job.state.step, job.state.epoch, results)
 
 
 def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:

@@ -8,6 +8,8 @@ dicts).
 
 from __future__ import annotations
 
+import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,3 +92,45 @@ def first_samples(dataset: Dataset, loader: DataLoader, count: int):
     """The first `count` samples of a dataset collated the way its loader does: a real batch
     without starting workers or touching the sampler."""
     return loader.collate_fn([dataset[i] for i in range(min(count, len(dataset)))])
+
+
+class SeededSamples(Dataset):
+    """`dataset` whose every read of sample i in epoch e draws its random numbers (torch's, numpy's
+    and Python's generators: torchvision's transforms, albumentations, your own) from a seed of
+    (seed, epoch, i), and leaves the process's own generators as they were. A sample then reads the
+    same every time, in any worker or process, which the proofs (they read samples again) and an
+    exact resume need; and each epoch draws anew. The loop calls `set_epoch` at every epoch; the
+    epoch sits in shared memory, where it reaches persistent loader workers however they start
+    (fork, forkserver, spawn)."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        with drawn_from(hash((self.seed, int(self.epoch), index)) % 2**32):
+            return self.dataset[index]
+
+
+@contextmanager
+def drawn_from(seed: int):
+    """Within it torch's, numpy's and Python's generators start from `seed`; after it they are
+    where they were."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)

@@ -155,6 +155,7 @@ def teardown(info: DistInfo, orderly: bool = True) -> None:
     if info.distributed and torch_dist.is_initialized():
         if orderly:
             torch_dist.barrier()
+        _HOST_GROUP.clear()  # a reference would keep its gloo threads past teardown (torch 2.4)
         torch_dist.destroy_process_group()
         gc.collect()  # module graphs hold cycles: the last reference to the group goes now, not at exit
 
@@ -215,6 +216,30 @@ def all_gather_objects(obj) -> list:
     gathered = [None] * torch_dist.get_world_size()
     torch_dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def gather_to_main(obj) -> list | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None on the others): pickled, through gloo on
+    the host whatever the run's backend, so the other ranks never hold more than their own."""
+    if not torch_dist.is_initialized():
+        return [obj]
+    gathered = [None] * torch_dist.get_world_size() if torch_dist.get_rank() == 0 else None
+    torch_dist.gather_object(obj, gathered, dst=0, group=host_group())
+    return gathered
+
+
+_HOST_GROUP: dict = {}  # the gloo group beside an NCCL one, made once per process group
+
+
+def host_group():
+    """A gloo group of every rank, for objects on the host: the default group where it is gloo."""
+    if torch_dist.get_backend() == "gloo":
+        return None
+    world = torch_dist.group.WORLD
+    if world not in _HOST_GROUP:  # the first call in this process group
+        _HOST_GROUP.clear()
+        _HOST_GROUP[world] = torch_dist.new_group(backend="gloo")  # every rank calls it: a collective
+    return _HOST_GROUP[world]
 
 
 def broadcast_object(obj):

@@ -23,8 +23,14 @@ PEAK_TFLOPS = (
     ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
     ("V100", {"fp16": 125.0, "fp32": 15.7}),  # SXM2; bf16 is emulated
 )
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BF16_NATIVE = (8, 0)  # Ampere: bf16 tensor cores; below it bf16 is emulated, several times slower
 FP16_TENSOR_CORES = (7, 0)  # Volta
+
+
+def autocast(precision: str, device: torch.device):
+    """The forward passes' precision (train.precision): bf16/fp16 autocast, or a disabled one for fp32."""
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision], enabled=precision != "fp32")
 
 
 @dataclass(frozen=True)

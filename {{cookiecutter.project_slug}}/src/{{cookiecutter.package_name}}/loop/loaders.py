@@ -1,7 +1,8 @@
 """The run's datasets, samplers and loaders, with per-rank worker sizing, for any map-style datasets.
 
 Nothing here knows the task: the datasets come from the seam (`build_datasets`, or a pack through
-`from_records`) and the batches are whatever their samples collate to.
+`from_records`), and the batches are what the task's `collate` makes of a list of samples (torch's
+default_collate when it has none).
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import sys
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from .. import task
 from ..base import packs
 from ..base.dist import DistInfo, all_reduce_max
 from ..base.preemption import quiet_loader_worker
-from .samplers import ChunkOrderSampler, ResumableSampler
+from .samplers import ChunkOrderSampler, EvalBatches, ResumableSampler
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -90,21 +91,40 @@ def worker_context(start: str | None):
 def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: DistInfo, num_workers: int):
     """(train loader, eval loader); the train sampler is `train_loader.sampler`."""
     sampler = train_sampler(train_set, cfg, info.world_size, info.rank)
-    # no shuffle and no drop: evaluation sees every sample; metrics.py masks the padding
-    eval_sampler = DistributedSampler(eval_set, num_replicas=info.world_size, rank=info.rank, shuffle=False)
-    common = dict(
-        batch_size=cfg.data.batch_size,
+    # drop_last on the loader too: every rank runs the same number of full-size steps
+    train_loader = DataLoader(
+        train_set, sampler=sampler, batch_size=cfg.data.batch_size, drop_last=True, **common(cfg, info, num_workers)
+    )
+    return train_loader, evaluation_loader(eval_set, cfg, info, num_workers)
+
+
+def evaluation_loader(dataset: Dataset, cfg: Config, info: DistInfo, num_workers: int) -> DataLoader:
+    """Every sample once, in batches that do not depend on the world size (samplers.EvalBatches,
+    its `plan` says which batches a rank repeats)."""
+    batches = EvalBatches(len(dataset), cfg.data.batch_size, info.world_size, info.rank)
+    return DataLoader(dataset, batch_sampler=batches, **common(cfg, info, num_workers))
+
+
+def reference_loader(train_set: Dataset, cfg: Config, info: DistInfo, num_workers: int) -> DataLoader | None:
+    """The evaluation loader of the task's reference set (task.reference_set: the training
+    embeddings a kNN accuracy compares with, say), or None when the task has none."""
+    if not hasattr(task, "reference_set"):
+        return None
+    return evaluation_loader(task.reference_set(cfg, train_set), cfg, info, num_workers)
+
+
+def common(cfg: Config, info: DistInfo, num_workers: int) -> dict:
+    """What every loader of the run shares: the task's collate, the workers and how they start."""
+    return dict(
+        collate_fn=getattr(task, "collate", default_collate),
         num_workers=num_workers,
         pin_memory=info.device.type == "cuda",
         persistent_workers=num_workers > 0,
         worker_init_fn=quiet_loader_worker,  # SLURM signals every process of the step; the rank handles it
         prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,
         multiprocessing_context=worker_context(worker_start(cfg)) if num_workers > 0 else None,
+        generator=own_rng(cfg, info),
     )
-    # drop_last on the loader too: every rank runs the same number of full-size steps
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, generator=own_rng(cfg, info), **common)
-    eval_loader = DataLoader(eval_set, sampler=eval_sampler, drop_last=False, generator=own_rng(cfg, info), **common)
-    return train_loader, eval_loader
 
 
 def describe_workers(loader: DataLoader) -> str:

@@ -1,5 +1,5 @@
-"""Metrics that are exact across ranks (reduce sums and counts, never means), and the training
-log: metrics.jsonl, the console and the sinks (TensorBoard, the trackers) on rank 0."""
+"""The training log, exact across ranks (reduce sums and counts, never means): metrics.jsonl, the
+console and the sinks (TensorBoard, the trackers) on rank 0. Evaluation's sums: evaluation.py."""
 
 from __future__ import annotations
 
@@ -21,43 +21,6 @@ from ..base.dist import DistInfo, all_reduce_sum
 if TYPE_CHECKING:
     from .tensorboard import Board
     from .tracking import Trackers
-
-
-class Totals:
-    """Named running sums kept on the device in float64, reduced over ranks on demand.
-
-    Summing per-rank sums and counts gives the exact global mean; averaging per-rank means
-    does not when ranks hold different numbers of samples. The names are fixed by the first
-    `add` and kept in sorted order, so every rank reduces the same vector.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.names: list[str] = []
-        self.sums = torch.zeros(0, dtype=torch.float64, device=device)
-
-    def add(self, **values) -> None:
-        if not self.names:
-            self.names = sorted(values)
-            self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=self.device)
-        for name, value in values.items():
-            self.sums[self.names.index(name)] += value
-
-    def reduced(self) -> dict[str, float]:
-        """Global sums; a collective, so every rank must call it."""
-        total = all_reduce_sum(self.sums.clone())
-        return dict(zip(self.names, total.tolist(), strict=True))
-
-
-def real_sample_mask(first_position: int, batch_size: int, info: DistInfo, dataset_size: int, device) -> torch.Tensor:
-    """True for the samples of this batch that are not DistributedSampler padding.
-
-    DistributedSampler(drop_last=False) repeats samples until every rank has the same count
-    and gives rank r the global positions r, r + world, r + 2*world, ...; positions past
-    the end of the dataset are the repeats, so they are masked out and nothing counts twice.
-    """
-    positions = torch.arange(first_position, first_position + batch_size, device=device)
-    return positions * info.world_size + info.rank < dataset_size
 
 
 def evaluation_line(record: dict) -> str:

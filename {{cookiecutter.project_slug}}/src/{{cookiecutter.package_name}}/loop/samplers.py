@@ -1,6 +1,7 @@
 """The training order: DistributedSampler that resumes mid-epoch on any world size, and the
 chunk-by-chunk order for packed shards. An epoch's global order depends on the seed and the epoch
-only; each rank takes its part of it.
+only; each rank takes its part of it. Evaluation's batches (EvalBatches) do not depend on the world
+size either.
 
 A run resumed mid-epoch on another world size (or per-device batch) continues with the samples
 its epoch has not read yet: each layout the epoch ran on, [world size, samples each rank read],
@@ -13,7 +14,7 @@ batches are the uninterrupted run's.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 
 class ResumableSampler(DistributedSampler):
@@ -89,3 +90,27 @@ class ChunkOrderSampler(ResumableSampler):
     def part(self, order: list[int]) -> list[int]:
         per_rank = len(order) // self.num_replicas
         return order[self.rank * per_rank : (self.rank + 1) * per_rank]
+
+
+class EvalBatches(Sampler[list[int]]):
+    """Evaluation's batches, the same on any world size: the set cut into batches of
+    `batch_size` consecutive samples (the last one shorter), dealt to the ranks in turn (rank r
+    evaluates batches r, r + W, ...). A model whose output depends on its batch (images padded to
+    the batch's largest, say) so evaluates alike on 1, 2 or 3 ranks and in tools.evaluate. Every
+    rank runs as many batches as the others, since a sharded model gathers its parameters in each
+    forward: a rank short of one repeats a batch, which `plan` marks as a repeat, not counted."""
+
+    def __init__(self, size: int, batch_size: int, world_size: int, rank: int):
+        self.size = size
+        batches = [list(range(start, min(start + batch_size, size))) for start in range(0, size, batch_size)]
+        mine = batches[rank::world_size]
+        each = -(-len(batches) // world_size)
+        self.plan = [(indices, False) for indices in mine]
+        if len(mine) < each:  # repeats: run, not counted
+            self.plan += [(mine[0] if mine else batches[0], True)] * (each - len(mine))
+
+    def __iter__(self):
+        return iter([indices for indices, _ in self.plan])
+
+    def __len__(self) -> int:
+        return len(self.plan)

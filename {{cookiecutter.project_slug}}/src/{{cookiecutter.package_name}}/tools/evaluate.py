@@ -6,7 +6,8 @@
 
 The settings are the checkpoint's own, changed by any `section.key=value` overrides (another
 eval set through the dataset settings, say). The model is built and wrapped as training wraps
-it, so the metrics equal the training run's evaluation at that step. Rank 0 prints them and
+it, and evaluation's batches do not depend on the world size, so the metrics equal the training run's
+evaluation at that step, on any number of ranks. Rank 0 prints them and
 writes them as JSON: to RUN_DIR/evaluations/<checkpoint>.json for a run directory, beside the
 checkpoint (<checkpoint>.eval.json) for a file, or to --out.
 """
@@ -64,9 +65,10 @@ def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: l
     model.load_state_dict(payload["model"])
     workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
+    reference = loaders.reference_loader(train_set, cfg, info, workers)  # task.reference_set's, if any
     # as training wraps it (device, compile), less SyncBatchNorm: evaluation uses running statistics
     model = train.wrap(model, replace(cfg, parallel=replace(cfg.parallel, sync_batchnorm=False)), info)
-    results = train.evaluate(model, eval_loader, cfg, info)
+    results = train.evaluate(model, eval_loader, cfg, info, reference)
     record = {"step": payload["step"], "epoch": payload["epoch"], **results}
     dist.print0(info, metrics.evaluation_line(record))
     if info.is_main:

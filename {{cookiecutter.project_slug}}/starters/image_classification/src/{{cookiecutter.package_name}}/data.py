@@ -15,8 +15,8 @@ re-encoded first with the shorter side at `dataset.pack_max_side` when it is set
 workers decode and augment records exactly as they do files, so a run on shards equals one on
 the tree it was packed from.
 
-The random augmentation of sample i in epoch e is drawn from a generator seeded by
-(run.seed, e, i), not from the loader workers' streams: a run sees the same crops whatever its
+The random augmentation of sample i in epoch e is drawn from generators seeded by
+(run.seed, e, i) (base.batching.SeededSamples), not from the loader workers' streams: a run sees the same crops whatever its
 world size or worker count, and a run resumed mid-epoch the same as an uninterrupted one.
 """
 
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
-import torch
 from torch.utils.data import Dataset
 
 from .base import packs
+from .base.batching import SeededSamples
 from .base.rules import ConfigError, PositiveInt, Rule
 from .shapes import sample_root
 
@@ -144,34 +144,13 @@ def transforms(cfg: Config):
     return train, evaluation
 
 
-class SeededAugmentation(Dataset):
-    """Images and labels from `folder`, each transformed under a seed of (seed, epoch, index)."""
-
-    def __init__(self, folder: Dataset, transform, seed: int):
-        self.folder, self.transform, self.seed = folder, transform, seed
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()  # persistent loader workers see it change
-
-    def set_epoch(self, epoch: int) -> None:
-        """Called by the training loop at the start of every epoch."""
-        self.epoch.fill_(epoch)
-
-    def __len__(self) -> int:
-        return len(self.folder)
-
-    def __getitem__(self, index: int):
-        image, label = self.folder[index]
-        with torch.random.fork_rng(devices=[]):  # the process's own stream stays untouched
-            torch.manual_seed(hash((self.seed, int(self.epoch), index)) % 2**63)
-            return self.transform(image), label
-
-
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     """(train, eval) datasets over the ImageFolder splits; a loader worker decodes each image."""
     from torchvision.datasets import ImageFolder
 
     root = image_root(cfg)
     train_transform, eval_transform = transforms(cfg)
-    train = SeededAugmentation(ImageFolder(root / "train"), train_transform, cfg.run.seed)
+    train = SeededSamples(ImageFolder(root / "train", train_transform), cfg.run.seed)  # crops drawn per read
     return train, ImageFolder(root / "val", eval_transform)
 
 
@@ -222,9 +201,7 @@ def build_records(cfg: Config) -> tuple[Dataset, Dataset]:
 def from_records(cfg: Config, train: Dataset, evaluation: Dataset) -> tuple[Dataset, Dataset]:
     """The training and evaluation datasets over packed records, transformed as build_datasets's."""
     train_transform, eval_transform = transforms(cfg)
-    return SeededAugmentation(DecodedImages(train), train_transform, cfg.run.seed), DecodedImages(
-        evaluation, eval_transform
-    )
+    return SeededSamples(DecodedImages(train, train_transform), cfg.run.seed), DecodedImages(evaluation, eval_transform)
 
 
 def pack_facts(cfg: Config) -> dict:

@@ -3,12 +3,10 @@
 The loop, the smoke check and the diagnostics call only what `__all__` names (docs/your-model-and-data.md
 says what each returns). The loss is a sum over images: the loop divides it
 by the images of every rank and micro-batch of the step. Evaluation returns per-image sums,
-so the loop can drop the images DistributedSampler repeats and the accuracies are exact
-whatever the world size.
+which the loop adds over every image once: the accuracies are exact whatever the world size.
 
 `loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
-call it, and would reach the module's own attributes through samples.unwrap(model) (README: "How
-your model is called").
+call it, and would reach the module's own attributes through samples.unwrap(model) (docs/your-model-and-data.md).
 """
 
 from __future__ import annotations

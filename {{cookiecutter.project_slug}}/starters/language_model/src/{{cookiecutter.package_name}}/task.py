@@ -4,12 +4,11 @@ The loop, the smoke check and the diagnostics call only what `__all__` names (do
 says what each returns). The loss is a sum over target tokens: the loop
 divides it by the tokens of every rank and micro-batch of the step, so the gradient is that of
 one process on the whole global batch, and stays exact if windows come to differ in length
-(padding, document boundaries). Evaluation returns sums per window; the loop drops the
-windows DistributedSampler repeats. Loss and perplexity are per token, in nats.
+(padding, document boundaries). Evaluation returns sums per window, which the loop adds
+over every window once. Loss and perplexity are per token, in nats.
 
 `loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
-call it, and would reach the module's own attributes through samples.unwrap(model) (README: "How
-your model is called").
+call it, and would reach the module's own attributes through samples.unwrap(model) (docs/your-model-and-data.md).
 """
 
 from __future__ import annotations
