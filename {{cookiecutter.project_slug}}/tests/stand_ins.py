@@ -26,7 +26,8 @@ Each is self-contained (its model, data and every task function) and small: seco
 
 runs the proofs (tests/dist_proofs.py, with `--fsdp` the sharded loop's too) and the smoke check
 (under ddp, and fsdp with `--fsdp`) on each, in one process group; rank 0 prints each stand-in's
-name, then the tables; the exit code is 1 if a proof or a check failed.
+name, then the tables; the exit code is 1 if a proof or a check failed. With `--eval`, only each
+one's evaluation of its initial weights (OUT/<name>/proofs-<world size>.json).
 """
 
 from __future__ import annotations
@@ -436,6 +437,19 @@ class DetectorTask:
         return {"map50": average_precision_50(outputs)}
 
     @staticmethod
+    def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        """Per-image sums beside the dataset's metric: the detections and their scores."""
+        found = model(batch[0])
+        return {
+            "detections": torch.tensor([len(f["scores"]) for f in found], dtype=torch.float64),
+            "score": torch.stack([f["scores"].double().sum() for f in found]),
+        }
+
+    @staticmethod
+    def metrics(totals: dict) -> dict[str, float]:
+        return {"detections": totals["detections"] / totals["samples"], "score": totals["score"] / totals["samples"]}
+
+    @staticmethod
     def throughput(cfg, model: nn.Module) -> Throughput:
         return Throughput("images", 1)
 
@@ -460,14 +474,14 @@ class Points(Dataset):
 
     def __init__(self, size: int, offset: int):
         self.size, self.offset = size, offset
-        self.centres = 2 * torch.randn(CLASSES, WIDTH, generator=torch.Generator().manual_seed(0))
+        self.centres = torch.randn(CLASSES, WIDTH, generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> dict:
         index += self.offset
-        noise = 0.5 * torch.randn(WIDTH, generator=torch.Generator().manual_seed(index))
+        noise = 0.8 * torch.randn(WIDTH, generator=torch.Generator().manual_seed(index))
         return {"point": self.centres[index % CLASSES] + noise, "label": index % CLASSES}
 
 
@@ -568,6 +582,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--fsdp", action="store_true", help="also the sharded loop's proofs and smoke check")
+    parser.add_argument("--eval", action="store_true", help="only each stand-in's evaluation of its initial weights")
     args = parser.parse_args()
     info = DistInfo.from_env()
     strategies = ["ddp", "fsdp"] if args.fsdp and not parallel.floor_problem() else ["ddp"]
@@ -579,6 +594,11 @@ def main() -> int:
             out = args.out / name
             out.mkdir(parents=True, exist_ok=True)
             its_strategies = ["ddp"] if name in DDP_ONLY else strategies
+            if args.eval:
+                install(name)
+                proofs = argparse.Namespace(out=out, only="eval", resume=None, overrides=SETTINGS.get(name, []))
+                codes.append(dist_proofs.prove(proofs, info))
+                continue
             for only in (None, "fsdp") if "fsdp" in its_strategies else (None,):
                 install(name)  # again: the weighting proof changes TERMS_PER_SAMPLE
                 proofs = argparse.Namespace(out=out, only=only, resume=None, overrides=SETTINGS.get(name, []))

@@ -7,10 +7,13 @@ routes tokens to experts, which some batches leave without a gradient. The fast 
 this process; the slow tier runs the proofs and the smoke check on them on 2 ranks, under ddp (and
 fsdp, but the routed one)."""
 
+import json
+import sys
+
 import dist_proofs
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun
+from conftest import PROJECT, SMOKE_CONFIG, read_metrics, run, torchrun
 from stand_ins import DDP_ONLY, SETTINGS, STAND_INS, Recurrent, RecurrentTask, install
 from torch.nn.parallel import DistributedDataParallel
 
@@ -19,7 +22,7 @@ from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import unwrap
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import loaders, parallel, preflight
-from {{ cookiecutter.package_name }}.tools import diagnose, smoke
+from {{ cookiecutter.package_name }}.tools import diagnose, evaluate, smoke
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 QUICK = ["data.num_workers=0", "run.tensorboard=false", "data.batch_size=4"]
@@ -39,6 +42,12 @@ def test_a_model_that_needs_a_state_or_only_keywords_trains_checks_and_diagnoses
     assert records.of_kind(logged, records.EVAL)[-1][records.EVAL_SAMPLES] == 9
     cfg = config.load(SMOKE_CONFIG, [*QUICK, "train.max_steps=6", f"run.out_dir={tmp_path}"])
     assert train.run(cfg, WORLD_OF_ONE) == 0 and "resumed from" in capsys.readouterr().out
+    # the final checkpoint evaluated by the command: the run's own last evaluation (its batches, its metrics)
+    assert evaluate.main([str(cfg.run_dir.root), "--out", str(tmp_path / "evaluated.json")]) == 0
+    evaluated = json.loads((tmp_path / "evaluated.json").read_text())
+    logged = records.of_kind(read_metrics(cfg.run_dir), records.EVAL)[-1]
+    assert {k: evaluated[k] for k in logged if k != "kind"} == {k: v for k, v in logged.items() if k != "kind"}
+    capsys.readouterr()
 
     # diagnose unused, as its command line runs it: the helpers' wrapper passes calls and reads through
     assert diagnose.main(["unused", "--config", SMOKE_CONFIG, "--model", "helpers:model_with_unused_head"]) == 1
@@ -130,3 +139,19 @@ def test_the_proofs_and_the_smoke_check_hold_on_two_ranks_for_a_model_that_needs
         assert "proofs on 2 ranks: PASS (0 failed" in table
         assert ("fsdp proofs on 2 ranks: PASS (0 failed" in table) == both
         assert table.count("smoke: PASS (0 failed") == 1 + both  # under ddp, and fsdp
+
+
+@pytest.mark.slow
+def test_each_stand_ins_evaluation_is_the_same_on_one_two_and_three_ranks(tmp_path):
+    """Every sample once, in batches that do not depend on the world size: the detector, whose outputs
+    depend on which images share a batch, and the dataset-level metrics (mAP, kNN accuracy) too."""
+    launch = [str(PROJECT / "tests" / "stand_ins.py"), str(tmp_path), "--eval"]
+    run([sys.executable, *launch], timeout=120)
+    for nproc in (2, 3):
+        torchrun(*launch, nproc=nproc, timeout=180)
+    for name in STAND_INS:
+        by_world = [json.loads((tmp_path / name / f"proofs-{w}.json").read_text())["eval"] for w in (1, 2, 3)]
+        assert by_world[0]["eval_samples"] == by_world[0]["dataset_size"] == 61, name
+        for metric in by_world[0]:
+            values = [evaluation[metric] for evaluation in by_world]
+            assert max(values) - min(values) <= 1e-9 * max(1.0, abs(values[0])), (name, metric, values)
