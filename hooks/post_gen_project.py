@@ -25,7 +25,7 @@ from pathlib import Path
 # Rendered by cookiecutter; the module stays valid Python so tests can import its functions.
 ANSWERS_JSON = r"""{{ cookiecutter | tojson }}"""
 
-CLASSIFIER_SWAPS = ("image_classifier", "language_model", "regression")  # examples/<name>/
+CLASSIFIER_SWAPS = ("image_classifier", "language_model", "regression", "detection", "contrastive")  # examples/<name>/
 # (answer, values that drop the files, files relative to the project root)
 OPTIONAL_FILES = [
     ("slurm", (False,), ["scripts/train.sbatch", "tests/test_sbatch.py"]),

@@ -138,8 +138,9 @@ class EpochAugmented(Dataset):
         return torch.tensor([index, int(self.epoch)])
 
 
-def persistent_loader(start: str):
+def persistent_loader(start: str, monkeypatch):
     cfg = config.load(SMOKE_CONFIG, [f"data.worker_start={start}", "data.batch_size=4"])
+    monkeypatch.delattr(task, "collate", raising=False)  # the test's own samples: torch's default collate
     train_loader, _ = loaders.build_loaders(EpochAugmented(32), EpochAugmented(4), cfg, info(0, 1, 1), num_workers=1)
     assert train_loader.persistent_workers
     return cfg, train_loader
@@ -152,7 +153,7 @@ def persistent_loader(start: str):
 def test_a_persistent_workers_batch_in_epoch_1_is_a_fresh_loaders_epoch_1_batch(start, monkeypatch):
     # the loop's own epochs (train.fit), each reading one batch; the workers start in epoch 0 and
     # live on: set_epoch must reach them, whatever started them (fork: the default on Python 3.12+)
-    cfg, loader = persistent_loader(start)
+    cfg, loader = persistent_loader(start, monkeypatch)
     first_batches = []
 
     def one_batch(job, cfg, info, log, stop):
@@ -164,7 +165,7 @@ def test_a_persistent_workers_batch_in_epoch_1_is_a_fresh_loaders_epoch_1_batch(
     monkeypatch.setattr(train, "run_evaluation", lambda *args: None)
     job = train.Job(None, TrainState(None, None, None), loader, None, 2, 4, None, None, [])
     train.fit(job, cfg, info(0, 1, 1), log=None, stop=None)
-    _, fresh = persistent_loader("fork")  # started in epoch 1: the reference, whatever starts the workers
+    _, fresh = persistent_loader("fork", monkeypatch)  # started in epoch 1: the reference, whatever starts the workers
     fresh.sampler.set_epoch(1)
     fresh.dataset.set_epoch(1)
     assert first_batches[0][:, 1].tolist() == [0] * 4 and torch.equal(first_batches[1], next(iter(fresh)))

@@ -17,7 +17,10 @@ SWAPS = {
     "image_classifier": ("eval_accuracy", lambda value, _: value > 0.9),
     "language_model": ("eval_loss", lambda value, unigram: value < unigram - 0.15),
     "regression": ("eval_rmse", lambda value, _: value < 0.5),  # predicting zero gives about 0.67
+    "detection": ("eval_map_50", lambda value, _: value > 0.05),  # untrained: 0.0
+    "contrastive": ("eval_knn_accuracy", lambda value, _: value > 0.95),  # untrained: 0.81
 }
+NEEDS = {"detection": ("torchvision", "torchmetrics", "pycocotools")}  # pip install -e ".[detection]"
 
 
 def swap(tmp_path, example: str):
@@ -56,6 +59,8 @@ def unigram_entropy(project, env) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("example", SWAPS)
 def test_a_swap_of_the_seam_files_trains_passes_smoke_and_keeps_the_proofs(tmp_path, example):
+    for module in NEEDS.get(example, ()):
+        pytest.importorskip(module, reason=f'examples/{example} needs {module}: pip install -e ".[{example}]"')
     project, env, changed = swap(tmp_path, example)
     assert set(changed) <= {"model.py", "data.py", "task.py"}  # the seam files the README names
 

@@ -15,9 +15,10 @@ re-encoded first with the shorter side at `dataset.pack_max_side` when it is set
 workers decode and augment records exactly as they do files, so a run on shards equals one on
 the tree it was packed from.
 
-The random augmentation of sample i in epoch e is drawn from generators seeded by
-(run.seed, e, i) (base.batching.SeededSamples), not from the loader workers' streams: a run sees the same crops whatever its
-world size or worker count, and a run resumed mid-epoch the same as an uninterrupted one.
+The random augmentation of sample i in epoch e is drawn from generators seeded by (run.seed, e, i)
+(base.batching.SeededSamples), not from the loader workers' streams: a run sees the same crops
+whatever its world size or worker count, and a run resumed mid-epoch the same as an uninterrupted
+one.
 """
 
 from __future__ import annotations
