@@ -1,6 +1,8 @@
 """Samplers, per-epoch order, equal lengths, per-rank worker sizing, batch plumbing."""
 
+import contextlib
 import functools
+import pickle
 
 import pytest
 import torch
@@ -240,6 +242,22 @@ def leaves(batch) -> list:
 
 def same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_a_training_sample_reads_the_same_every_time_and_the_same_in_any_process():
+    """The proofs read samples again, and a resumed run reads its epoch's rest again."""
+    train_set, _ = task.build_datasets(config.load(SMOKE_CONFIG))
+    index = len(train_set) // 2
+    reads = [train_set[index], train_set[index]]
+    torch.manual_seed(12345)  # whatever the process drew before
+    reads.append(train_set[index])
+    with contextlib.suppress(Exception):  # a loader worker's copy, where the dataset pickles (forked: no need)
+        reads.append(pickle.loads(pickle.dumps(train_set))[index])
+    for read in reads[1:]:
+        assert all(same(a, b) for a, b in zip(leaves(reads[0]), leaves(read), strict=True)), (
+            f"training sample {index} reads differently each time: draw its random augmentation through "
+            "base.batching.SeededSamples (docs/your-model-and-data.md, Randomness)"
+        )
 
 
 def test_first_samples_collate_like_the_loader_without_touching_the_sampler():
