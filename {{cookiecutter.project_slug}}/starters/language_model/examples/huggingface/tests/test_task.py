@@ -105,7 +105,7 @@ def llama_config(folder: Path, **settings) -> Path:
     return folder
 
 
-def test_the_settings_a_config_file_decides_are_named_in_one_note_line(tmp_path, capsys):
+def test_the_settings_a_config_file_decides_are_named_in_one_note_line(tmp_path, capsys, monkeypatch):
     folder = llama_config(tmp_path / "llama", num_hidden_layers=3)
     task.build_model(small_config(f"model.config={folder}", "model.dropout=0.1", "model.tie_embeddings=false"))
     assert capsys.readouterr().out == (
@@ -114,6 +114,10 @@ def test_the_settings_a_config_file_decides_are_named_in_one_note_line(tmp_path,
         "model.dropout=0.1 (the file: attention_dropout=0.0) are not used\n"
     )
     task.build_model(small_config(f"model.config={folder}", "model.layers=3"))  # the file's sizes: nothing to say
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)  # every rank builds the model; rank 0 says it
+    task.build_model(small_config(f"model.config={folder}", "model.dropout=0.1"))
     assert capsys.readouterr().out == ""
 
 
