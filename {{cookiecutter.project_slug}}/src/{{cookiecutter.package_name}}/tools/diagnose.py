@@ -3,7 +3,7 @@
     python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # versions, GPUs, ports, CPUs, /dev/shm
     python -m {{ cookiecutter.package_name }}.tools.diagnose unused    # parameters that get no gradient
     python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup and time split, 1 vs N processes
-    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does it fit: weights, gradients, optimizer, activations
+    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does it fit? four figures, ddp vs fsdp
 Each takes --config and section.key=value overrides like training does. `unused` and `memory`
 call task.loss_sum with the model in train mode, as training does (the seam's contract).
 """
