@@ -172,6 +172,9 @@ def test_prepare_records_the_ids_of_the_tokenizers_begin_end_and_padding_tokens(
     (tmp_path / "tokens" / "meta.json").write_text(json.dumps(meta))
     assert data.special_tokens(small_config(f"dataset.dir={tmp_path / 'tokens'}")) == recorded[None]
     assert data.special_tokens(small_config()) == recorded[None]  # the built-in corpus: bytes
+    packed = {**data.pack_facts(small_config()), "special_tokens": recorded["others:transformers"]}
+    monkeypatch.setattr(data.packs, "facts", lambda cfg: packed)  # what the pack command recorded
+    assert data.special_tokens(small_config(f"data.shards={tmp_path / 'shards'}")) == recorded["others:transformers"]
 
 
 def test_a_tokenizer_json_is_copied_beside_the_data_and_read_from_there(tmp_path):
