@@ -1,4 +1,7 @@
-"""`tools.export`: weights that load for inference without this project, as .pt or safetensors."""
+"""`tools.export`: weights that load for inference without this project, as .pt, safetensors or a
+Hugging Face folder; each of its options is held here by a test that fails when it is ignored."""
+
+import json
 
 import pytest
 import torch
@@ -89,6 +92,20 @@ def test_cli_picks_the_format_by_suffix_and_the_flag_overrides_it(tmp_path, caps
         assert all(torch.equal(weights[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_dtype_casts_every_floating_point_weight_and_keeps_integer_buffers(tmp_path, suffix):
+    _, model, path = saved_checkpoint(tmp_path)
+    expected = model.state_dict()
+    for dtype, cast in export.DTYPES.items():
+        output = tmp_path / f"{dtype}{suffix}"
+        assert export.main([str(path), str(output), "--dtype", dtype]) == 0  # the command, in this process
+        weights = load_file(output) if suffix == ".safetensors" else torch.load(output, weights_only=True)
+        assert weights.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert weights[name].dtype == (cast if tensor.is_floating_point() else tensor.dtype), (dtype, name)
+            assert torch.equal(weights[name], tensor.to(weights[name].dtype)), (dtype, name)
+
+
 def test_missing_safetensors_is_one_line_that_says_what_to_install(tmp_path, monkeypatch, capsys):
     _, _, path = saved_checkpoint(tmp_path)
     monkeypatch.setattr(export.extras, "installed", lambda package: package != "safetensors")
@@ -177,3 +194,67 @@ def test_a_model_that_is_not_a_transformers_model_exports_to_huggingface_with_on
         "config error: export --format huggingface: the model is a Linear, not a transformers model "
         "(no save_pretrained); export .safetensors or .pt instead\n"
     )
+
+
+def tiny_transformers_model(eos_token_id: int):
+    """A one-layer Llama over the vocabulary of word_tokenizer, its eos as given."""
+    transformers = pytest.importorskip("transformers", reason="the huggingface extra: pip install -e '.[huggingface]'")
+    settings = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    settings |= {"num_key_value_heads": 1, "max_position_embeddings": 16, "tie_word_embeddings": True}
+    ids = {"bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": 0}
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=6, **settings, **ids))
+
+
+def word_tokenizer(path) -> None:
+    """A tokenizer.json of six words, two of them special: <pad> (0) and <|endoftext|> (1)."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the huggingface extra: pip install -e '.[huggingface]'")
+    words = {"<pad>": 0, "<|endoftext|>": 1, "[UNK]": 2, "def": 3, "return": 4, "x": 5}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<pad>", "<|endoftext|>"])
+    tokenizer.save(str(path))
+
+
+def hugging_face_checkpoint(tmp_path, monkeypatch, eos_token_id: int):
+    """A checkpoint of tiny_transformers_model, which the seam builds, its data cut with word_tokenizer."""
+    model = tiny_transformers_model(eos_token_id)
+    word_tokenizer(tmp_path / "tokenizer.json")
+    monkeypatch.setattr(export.task, "build_model", lambda cfg: tiny_transformers_model(eos_token_id))
+    monkeypatch.setattr(export.task, "tokenizer_file", lambda cfg: tmp_path / "tokenizer.json", raising=False)
+    saved = {"model": model.state_dict(), "step": 3, "config": config.to_dict(config.load(SMOKE_CONFIG))}
+    checkpoint.atomic_save(saved, tmp_path / "hf.pt")
+    return model, tmp_path / "hf.pt"
+
+
+def test_huggingface_export_honours_dtype_and_names_the_tokenizers_special_tokens_as_the_model_does(
+    tmp_path, monkeypatch
+):
+    model, path = hugging_face_checkpoint(tmp_path, monkeypatch, eos_token_id=1)
+    transformers = pytest.importorskip("transformers")
+    for dtype, cast in export.DTYPES.items():
+        exported = tmp_path / dtype
+        assert export.main([str(path), str(exported), "--format", "huggingface", "--dtype", dtype]) == 0
+        weights = load_file(exported / "model.safetensors")
+        assert "lm_head.weight" not in weights  # the tied matrix, stored once
+        assert {tensor.dtype for tensor in weights.values()} == {cast}, dtype
+        assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.to(cast))
+        assert json.loads((exported / "config.json").read_text())["dtype"] == str(cast).removeprefix("torch.")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "fp32")
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == ("<|endoftext|>", "<pad>", None)
+    assert loaded.generation_config.eos_token_id == tokenizer.eos_token_id == 1  # generate() stops where it says
+    assert loaded.generation_config.pad_token_id == tokenizer.pad_token_id == 0
+
+
+def test_huggingface_export_refuses_a_special_token_id_that_names_an_ordinary_token(tmp_path, monkeypatch, capsys):
+    _, path = hugging_face_checkpoint(tmp_path, monkeypatch, eos_token_id=4)  # a config file's eos: "return" here
+    with pytest.raises(SystemExit) as exited:
+        export.main([str(path), str(tmp_path / "exported"), "--format", "huggingface"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        f"config error: export --format huggingface: the model's eos_token_id 4 is 'return' in the data's tokenizer "
+        f"{tmp_path / 'tokenizer.json'}, not one of its special tokens (<pad>, <|endoftext|>); build the model with "
+        "the tokenizer's ids (examples/huggingface/model.py takes them from the prepared data's meta.json), or None\n"
+    )
+    assert not (tmp_path / "exported").exists()

@@ -1,11 +1,15 @@
 """The memory estimate (`diagnose memory`, the start-up line) against what torch really holds, on
 this project's own model at the tests' size: the optimizer's state after a step, and the
-activations a forward saves for backward, with and without activation checkpointing."""
+activations a forward saves for backward, with and without activation checkpointing; the static
+figure in its parts; and diagnose's calls of the task in train mode, as the seam's contract says."""
 
+import dataclasses
 from contextlib import contextmanager
 
 import pytest
+import stand_ins
 import torch
+import torch.nn.functional as F
 from conftest import SMOKE_CONFIG
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
@@ -134,18 +138,88 @@ def test_diagnose_memory_says_what_fits_under_each_strategy_and_checkpointing_on
         rows = {(row[0], row[1]): row[2:] for row in diagnose.memory_rows(cfg, fake, batch, 8)}
         units = parallel.units(fake)
         saved = parallel.saved_for_backward(fake, batch, units, "fp32")
-    ddp, fsdp = rows["ddp", "none"], rows["fsdp", "full"]
+    ddp, fsdp = rows["ddp", "none"], rows["fsdp", "full"]  # weights, gradients, optimizer state, activations
     steps = 4 * len(list(fake.parameters()))  # AdamW's step count, one a parameter tensor
-    assert ddp[0] == 16 * params + steps  # fp32 weights, gradients and AdamW's two moments
-    assert fsdp[0] < ddp[0] and rows["fsdp", "none"][1] == ddp[1] == saved.activation_bytes([])
+    assert ddp[:3] == (4 * params, 4 * params, 8 * params + steps)  # fp32 weights, gradients, AdamW's two moments
+    assert sum(fsdp[:3]) < sum(ddp[:3]) and rows["fsdp", "none"][3] == ddp[3] == saved.activation_bytes([])
     # recomputing keeps every unit's inputs: it saves memory on most models, not on every one
-    assert fsdp[1] == saved.activation_bytes(parallel.recomputed(units, "full"))
+    assert fsdp[3] == saved.activation_bytes(parallel.recomputed(units, "full"))
     between = (sum(fsdp) + sum(ddp)) / 2 / 1e9  # one of ddp without checkpointing and fsdp with it fits
     lines = diagnose.memory_estimate(cfg, 8, between).splitlines()
     assert lines[0].startswith(f"{params:,} parameters, {len(units)} FSDP units; optim.name=adamw")
-    assert lines[2].startswith("  ddp on 8, checkpointing none")
+    assert lines[1] == "per device: weights + gradients + optimizer state + activations held for backward = total"
+    figures = " + ".join(map(diagnose.gb, ddp)) + f" = {diagnose.gb(sum(ddp))}; "
+    assert lines[2].startswith(f"  ddp on 8, checkpointing none      {figures}")
     assert f"fits in {between:g} GB: " in lines[2] and lines[2].endswith("  <- parallel.activation_checkpointing")
     assert lines[-1].startswith("  fsdp on 8, checkpointing full")
     verdicts = [line.split(": ")[-1].split()[0] for line in lines[2:]]
     assert verdicts == ["yes" if sum(row) <= between * 1e9 else "no" for row in rows.values()]
     assert sorted(set(verdicts)) == ["no", "yes"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["train.precision=bf16"], ["parallel.reshard_after_forward=false"], ["optim.name=sgd", "optim.momentum=0"]]
+    + [["train.grad_accum_steps=2", "parallel.reduce_every_micro_batch=false"]],
+    ids=lambda o: " ".join(o) or "defaults",
+)
+def test_the_static_figure_is_the_weights_the_gradients_and_the_optimizer_state(overrides):
+    """Their sum is what the start-up line prints (parallel.static_memory_bytes) under either strategy."""
+    cfg = config.load(SMOKE_CONFIG, overrides)
+    model = task.build_model(cfg)
+    units, params = parallel.units(model), sum(p.numel() for p in model.parameters())
+    shapes = [p.shape for p in model.parameters()]
+    for strategy, ranks in (("ddp", 3), ("fsdp", 1), ("fsdp", 3)):
+        setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
+        weights, gradients, state = diagnose.static_parts(model, units, setting, ranks)
+        assert weights + gradients + state == parallel.static_memory_bytes(model, units, setting, ranks), strategy
+        sharded = strategy == "fsdp" and ranks > 1
+        local = [parallel.shard_shape(shape, ranks if sharded else 1) for shape in shapes]
+        assert state == (parallel.optimizer_state_bytes(local, cfg.optim) or 0)
+        share = 4 * sum(torch.Size(shape).numel() for shape in local)
+        whole = sharded and cfg.train.grad_accum_steps > 1 and not cfg.parallel.reduce_every_micro_batch
+        assert gradients == share + (4 * params if whole else 0)  # fp32 gradients, whole between micro-batches
+        if not sharded:  # fp32 weights, and AMP's low-precision copies
+            assert weights == 4 * params * (2 if cfg.train.precision == "bf16" else 1)
+
+
+class DetectorLike(stand_ins.Keyword):
+    """As torchvision's detectors: a dict of losses (summed) in train mode, predictions in eval mode."""
+
+    def forward(self, *, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = super().forward(input_ids=input_ids)["logits"]
+        if not self.training:
+            return [{"scores": sample} for sample in logits]
+        predicted, targets = logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()
+        return {"tokens": F.cross_entropy(predicted, targets, ignore_index=stand_ins.IGNORE, reduction="sum")}
+
+
+class DetectorLikeTask(stand_ins.KeywordTask):
+    """The seam of DetectorLike: its loss the sum of the loss dict; built in eval mode, as
+    from_pretrained returns a model, so that only the caller's mode can make loss_sum work."""
+
+    @staticmethod
+    def build_model(cfg) -> torch.nn.Module:
+        return DetectorLike().eval()
+
+    @staticmethod
+    def loss_sum(model: torch.nn.Module, batch) -> torch.Tensor:
+        return sum(model(input_ids=batch["input_ids"], labels=batch["labels"]).values())
+
+
+def test_diagnose_calls_loss_sum_in_train_mode_on_a_model_that_returns_its_losses_only_there(monkeypatch, capsys):
+    monkeypatch.setitem(stand_ins.STAND_INS, "detector", DetectorLikeTask)
+    stand_ins.install("detector", monkeypatch)
+    assert diagnose.main(["unused", "--config", SMOKE_CONFIG]) == 0
+    assert capsys.readouterr().out.startswith("every parameter gets a gradient")
+    assert diagnose.main(["memory", "--config", SMOKE_CONFIG]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("  ddp on 8, checkpointing none")
+
+
+def test_a_model_that_reads_its_datas_values_gets_one_line_that_blames_no_setting(monkeypatch, capsys):
+    stand_ins.install("routed", monkeypatch)  # each token goes to the expert its id picks
+    with pytest.raises(SystemExit) as exited:
+        diagnose.main(["memory", "--config", SMOKE_CONFIG])
+    said = capsys.readouterr().err
+    assert exited.value.code == 2 and said.count("\n") == 1 and "config error" not in said
+    assert said.startswith("cannot estimate: the model's forward reads its data's values (")

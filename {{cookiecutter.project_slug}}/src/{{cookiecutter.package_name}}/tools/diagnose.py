@@ -3,8 +3,9 @@
     python -m {{ cookiecutter.package_name }}.tools.diagnose doctor    # versions, GPUs, ports, CPUs, /dev/shm
     python -m {{ cookiecutter.package_name }}.tools.diagnose unused    # parameters that get no gradient
     python -m {{ cookiecutter.package_name }}.tools.diagnose scaling   # speedup and time split, 1 vs N processes
-    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does it fit a device: ddp vs fsdp, activations
-Each takes --config and section.key=value overrides like training does.
+    python -m {{ cookiecutter.package_name }}.tools.diagnose memory    # does it fit? four figures, ddp vs fsdp
+Each takes --config and section.key=value overrides like training does. `unused` and `memory`
+call task.loss_sum with the model in train mode, as training does (the seam's contract).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import math
 import os
 import platform
 import shutil
@@ -295,21 +297,47 @@ def device_gb() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 1e9 if torch.cuda.is_available() else 80.0
 
 
-def memory_rows(cfg: Config, model: torch.nn.Module, batch, ranks: int) -> list[tuple[str, str, int, int]]:
-    """(strategy, activation checkpointing, static bytes, activation bytes) per device on `ranks`
-    devices: the weights, gradients and optimizer state, and the most activation memory one
-    micro-batch holds for backward, traced on `batch` through task.loss_sum. `model` and `batch`
-    may be fake tensors (memory_estimate): any size is measured without its memory."""
+STATIC = ("weights", "gradients", "optimizer state")  # memory_rows' static parts, in its order
+
+
+def memory_rows(cfg: Config, model: torch.nn.Module, batch, ranks: int) -> list[tuple]:
+    """(strategy, activation checkpointing, weights, gradients, optimizer state, activations), in
+    bytes per device on `ranks` devices: the static parts (static_parts), and the most activation
+    memory one micro-batch holds for backward, traced on `batch` through task.loss_sum with the
+    model in train mode, as training calls it. `model` and `batch` may be fake tensors
+    (memory_estimate): any size is measured without its memory."""
+    model.train()  # the seam's contract: loss_sum sees train mode (a detector returns its losses only there)
     units, rows = parallel.units(model), []
     for strategy in ("ddp", "fsdp"):
         setting = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy=strategy))
-        static = parallel.static_memory_bytes(model, units, setting, ranks)
+        static = static_parts(model, units, setting, ranks)
         if strategy == "fsdp" and cfg.train.precision in parallel.LOW_PRECISION:
             gathered_in(model, parallel.LOW_PRECISION[cfg.train.precision])  # FSDP's param_dtype
         saved = parallel.saved_for_backward(model, batch, units, cfg.train.precision)
         for mode in ("none", "selective", "full"):
-            rows.append((strategy, mode, static, saved.activation_bytes(parallel.recomputed(units, mode))))
+            rows.append((strategy, mode, *static, saved.activation_bytes(parallel.recomputed(units, mode))))
     return rows
+
+
+def static_parts(model: torch.nn.Module, units: list[torch.nn.Module], cfg: Config, ranks: int) -> tuple[int, ...]:
+    """parallel.static_memory_bytes in its STATIC parts: the weights (a 1/N share under fsdp, plus
+    the units gathered in the precision FSDP gathers them in; under ddp AMP's low-precision copies,
+    budgeted at 4 bytes a parameter), the gradients (a share, plus whole fp32 gradients between
+    micro-batches without parallel.reduce_every_micro_batch) and the optimizer's state (0 for
+    optim.name=task, which it does not count)."""
+    shapes = [p.shape for p in model.parameters()]
+    params = sum(p.numel() for p in model.parameters())
+    low = cfg.train.precision in parallel.LOW_PRECISION
+    shards = 1 if cfg.parallel.strategy == "ddp" or ranks == 1 else ranks
+    local = [parallel.shard_shape(shape, shards) for shape in shapes]
+    share = 4 * sum(math.prod(shape) for shape in local)  # fp32: the weights' share, and the gradients'
+    optimizer = parallel.optimizer_state_bytes(local, cfg.optim) or 0
+    if shards == 1:
+        return share + (4 * params if low else 0), share, optimizer
+    sizes = [sum(p.numel() for p in unit.parameters()) for unit in units] or [params]
+    held = 2 * max(sizes) if cfg.parallel.reshard_after_forward else sum(sizes)
+    whole_gradients = cfg.train.grad_accum_steps > 1 and not cfg.parallel.reduce_every_micro_batch
+    return share + held * (2 if low else 4), share + (4 * params if whole_gradients else 0), optimizer
 
 
 def memory_report(cfg: Config, model: torch.nn.Module, batch, ranks: int, gpu_gb: float) -> str:
@@ -321,14 +349,14 @@ def memory_report(cfg: Config, model: torch.nn.Module, batch, ranks: int, gpu_gb
     lines = [
         f"{params:,} parameters, {len(units)} FSDP units; {optimizer}, train.precision={cfg.train.precision}; "
         f"a micro-batch {batching.describe(batch)}",
-        "per device: static (weights, gradients, optimizer state) + activations held for backward = total",
+        f"per device: {' + '.join(STATIC)} + activations held for backward = total",
     ]
-    for strategy, mode, static, activations in memory_rows(cfg, model, batch, ranks):
-        total = static + activations
+    for strategy, mode, *parts in memory_rows(cfg, model, batch, ranks):
+        total = sum(parts)
         fits = "yes" if total <= gpu_gb * 1e9 else "no"
         mark = "  <- parallel.activation_checkpointing" if mode == cfg.parallel.activation_checkpointing else ""
         lines.append(
-            f"  {strategy} on {ranks}, checkpointing {mode:<9} {gb(static)} + {gb(activations)} = {gb(total)}; "
+            f"  {strategy} on {ranks}, checkpointing {mode:<9} {' + '.join(map(gb, parts))} = {gb(total)}; "
             f"fits in {gpu_gb:g} GB: {fits}{mark}"
         )
     return "\n".join(lines)
@@ -346,6 +374,13 @@ def gathered_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 param.data = param.data.to(dtype)
 
 
+class CannotEstimate(ConfigError):
+    """A model diagnose memory cannot trace, whatever its settings: one line and exit 2, as a
+    ConfigError, under a prefix that does not blame the config."""
+
+    prefix = "cannot estimate"
+
+
 def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
     """memory_report for the configured model and micro-batch (the training loader's first, of
     data.batch_size samples), the model built on the meta device, then traced on fake tensors:
@@ -361,10 +396,10 @@ def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
             on_fake_cpu(model)
             return memory_report(cfg, model, batch, ranks, gpu_gb)
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
-        raise ConfigError(
-            f"diagnose memory: the model's forward reads its data's values ({type(error).__name__}; a routed model's "
-            "choice of experts does), which the estimate on fake tensors cannot follow; measure it instead: "
-            "the smoke check's peak memory per device, on the GPUs"
+        raise CannotEstimate(
+            f"the model's forward reads its data's values ({type(error).__name__}; a routed model's choice of experts "
+            "does), which diagnose memory's trace on fake tensors cannot follow; measure it instead: the smoke check's "
+            "peak memory per device, on the GPUs"
         ) from None
 
 

@@ -10,8 +10,10 @@ plain state_dict; --format overrides the choice by suffix. The safetensors metad
 step, a digest of the training config and the torch version, and the file holds no pickled
 objects. `--format huggingface` is for a model that is a `transformers` model (the huggingface
 extra): it writes a folder `AutoModelForCausalLM.from_pretrained` (or the model's own Auto class)
-loads: config.json, model.safetensors with a tied weight stored once, and the tokenizer the data
-was cut with when the task names its file (`task.tokenizer_file(cfg)`, optional).
+loads: config.json, generation_config.json, model.safetensors with a tied weight stored once, and
+the tokenizer the data was cut with when the task names its file (`task.tokenizer_file(cfg)`,
+optional), its bos, eos and pad tokens named by the model's ids, so that `generate()` stops at the
+tokenizer's end of text; an id that is not one of the tokenizer's special tokens stops the export.
 """
 
 from __future__ import annotations
@@ -79,14 +81,40 @@ def export_huggingface(target: str | Path, output: str | Path, dtype: str | None
             f"export --format huggingface: the model is a {type(model).__name__}, not a transformers model "
             "(no save_pretrained); export .safetensors or .pt instead"
         )
+    special = special_token_names(model, tokenizer) if tokenizer is not None else {}  # before anything is written
     model.load_state_dict(payload["model"])  # into the built parameters: a tied weight stays one
     if dtype is not None:
         model.to(DTYPES[dtype])
-    model.save_pretrained(output)  # config.json and model.safetensors, the tied weight stored once
+    model.save_pretrained(output)  # config.json, generation_config.json, model.safetensors: a tied weight once
     if tokenizer is not None:
         from transformers import PreTrainedTokenizerFast
 
-        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(output)
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer), **special).save_pretrained(output)
+
+
+def special_token_names(model: torch.nn.Module, tokenizer: Path) -> dict[str, str]:
+    """The tokenizer settings (bos_token, eos_token, pad_token) that name the tokens of the model's
+    special-token ids (those generate() reads) in the data's `tokenizer`; each must be one of its
+    special tokens: the ids of a config file written for another vocabulary name ordinary tokens
+    here, and generate() would stop at one (a Llama's eos_token_id 2 is `"` in a byte-level BPE)."""
+    from tokenizers import Tokenizer
+
+    cut = Tokenizer.from_file(str(tokenizer))
+    special = {i: token.content for i, token in cut.get_added_tokens_decoder().items() if token.special}
+    settings = getattr(model, "generation_config", None) or model.config
+    names = {}
+    for role in ("bos", "eos", "pad"):
+        ids = getattr(settings, f"{role}_token_id", None)
+        for token_id in [] if ids is None else [ids] if isinstance(ids, int) else list(ids):
+            if token_id not in special:
+                raise ConfigError(
+                    f"export --format huggingface: the model's {role}_token_id {token_id} is "
+                    f"{cut.id_to_token(token_id)!r} in the data's tokenizer {tokenizer}, not one of its special tokens "
+                    f"({', '.join(special.values()) or 'it has none'}); build the model with the tokenizer's ids "
+                    "(examples/huggingface/model.py takes them from the prepared data's meta.json), or None"
+                )
+            names.setdefault(f"{role}_token", special[token_id])
+    return names
 
 
 def run_launch_directory(checkpoint_path: Path, cfg: Config, recorded: str | None = None) -> Path | None:

@@ -120,16 +120,61 @@ def test_another_tokenizer_plugs_in_by_name(tmp_path, monkeypatch):
     assert task.build_model(cfg).tokens.num_embeddings == 70000
 
 
-def test_prepare_takes_separate_evaluation_files_and_records_absolute_sources(tmp_path, monkeypatch):
+def test_prepare_keeps_the_evaluation_files_out_of_the_training_tokens_and_records_absolute_sources(
+    tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     Path("train.txt").write_text("training text\n" * 100)
     Path("eval.txt").write_text("held-out text\n" * 10)
-    meta = prepare.prepare([Path("train.txt")], Path("tokens"), eval_files=[Path("eval.txt")])
-    assert meta["tokens"] == {"train": 1400, "eval": 140}  # every byte of each, nothing split off
-    assert bytes(np.fromfile("tokens/val.bin", dtype=np.uint16).tolist()) == Path("eval.txt").read_bytes()
+    assert prepare.main(["train.txt", "--eval", "eval.txt", "--out", "tokens"]) == 0  # the command, in this process
+    assert capsys.readouterr().out.startswith("1,400 training and 140 evaluation tokens (bytes, vocabulary 256)")
+    for name, text in (("train.bin", "train.txt"), ("val.bin", "eval.txt")):  # every byte of each, in one file only
+        assert bytes(np.fromfile(Path("tokens") / name, dtype=np.uint16).tolist()) == Path(text).read_bytes()
+    meta = json.loads(Path("tokens/meta.json").read_text())
+    assert meta["tokens"] == {"train": 1400, "eval": 140}
     assert meta["sources"] == {"train": [str(tmp_path / "train.txt")], "eval": [str(tmp_path / "eval.txt")]}
     with pytest.raises(config.ConfigError, match="--eval-share and --eval: pass one of them"):
         prepare.prepare([Path("train.txt")], Path("other"), 0.2, eval_files=[Path("eval.txt")])
+
+
+def test_prepare_records_the_ids_of_the_tokenizers_begin_end_and_padding_tokens(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers", reason="the huggingface extra: pip install -e '.[huggingface]'")
+    text = tmp_path / "text.txt"
+    text.write_text("def x return x\n" * 100)
+    words = {"[UNK]": 0, "<pad>": 1, "<s>": 2, "</s>": 3, "<|endoftext|>": 4, "def": 5, "return": 6, "x": 7}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["[UNK]", "<pad>", "<s>", "</s>", "<|endoftext|>"])
+    tokenizer.save(str(tmp_path / "words.json"))
+    (tmp_path / "others.py").write_text(
+        "class Tiktoken:  # an end-of-text token only, as tiktoken's encodings\n"
+        "    n_vocab, eot_token = 10, 9\n"
+        "    def encode(self, text):\n"
+        "        return [len(word) for word in text.split()]\n"
+        "class Transformers:  # transformers' tokenizers name three; one here lies outside the vocabulary\n"
+        "    vocab_size, bos_token_id, eos_token_id, pad_token_id = 10, 10, 8, 0\n"
+        "    encode = Tiktoken.encode\n"
+        "tiktoken, transformers = Tiktoken(), Transformers()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recorded = {
+        str(tmp_path / "words.json"): {"bos": 2, "eos": 3, "pad": 1},  # </s> before <|endoftext|>
+        "others:tiktoken": {"bos": None, "eos": 9, "pad": None},
+        "others:transformers": {"bos": None, "eos": 8, "pad": 0},
+        None: {"bos": None, "eos": None, "pad": None},  # bytes
+    }
+    for name, ids in recorded.items():
+        assert prepare.prepare([text], tmp_path / "tokens", 0.2, name)["special_tokens"] == ids, name
+        cfg = small_config(f"dataset.dir={tmp_path / 'tokens'}")
+        assert data.special_tokens(cfg) == ids and data.pack_facts(cfg)["special_tokens"] == ids, name
+    meta = json.loads((tmp_path / "tokens" / "meta.json").read_text())
+    del meta["special_tokens"]  # data prepared before prepare recorded them
+    (tmp_path / "tokens" / "meta.json").write_text(json.dumps(meta))
+    assert data.special_tokens(small_config(f"dataset.dir={tmp_path / 'tokens'}")) == recorded[None]
+    assert data.special_tokens(small_config()) == recorded[None]  # the built-in corpus: bytes
+    packed = {**data.pack_facts(small_config()), "special_tokens": recorded["others:transformers"]}
+    monkeypatch.setattr(data.packs, "facts", lambda cfg: packed)  # what the pack command recorded
+    assert data.special_tokens(small_config(f"data.shards={tmp_path / 'shards'}")) == recorded["others:transformers"]
 
 
 def test_a_tokenizer_json_is_copied_beside_the_data_and_read_from_there(tmp_path):

@@ -4,10 +4,15 @@
 Two ways to say which model:
 - `model.config`: a config.json (or the folder holding it), e.g. a Llama's or a Mistral's, copied
   from wherever you keep it; its sizes are used as they are, its vocabulary becomes the prepared
-  data's (`dataset.dir`'s meta.json), and `model.context` must fit its max_position_embeddings;
+  data's (`dataset.dir`'s meta.json), and `model.context` must fit its max_position_embeddings.
+  The settings below that it decides (sizes, tie_embeddings, dropout) are not used: a start-up
+  note names those that differ from the file;
 - or, without it, `model.model_type` (any architecture transformers' AutoConfig knows: llama,
   gpt2, mistral, qwen2, ...) and the sizes below, each set where that architecture has it
   (a GPT-2 has no key/value heads or MLP width of its own).
+Either way the special-token ids (bos, eos, pad) are the data tokenizer's, as prepare recorded
+them, or None where it has none: a config file's own ids name other tokens in another vocabulary,
+and generate() on the export would stop at them.
 The weights are initialised as the architecture initialises them (from_config, seeded alike on
 every rank); no pretrained weights are read. The model's own loss (`labels=`) is a mean, so
 task.py computes the summed cross-entropy from the logits instead.
@@ -19,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
+import torch
 from torch import nn
 
 from .base.rules import ConfigError, PositiveInt, Rule
-from .data import vocabulary_size
+from .data import special_tokens, vocabulary_size
 
 if TYPE_CHECKING:
     from .config import Config
@@ -68,16 +74,20 @@ def transformers_config(cfg: Config):
             "model.py builds a transformers model, and transformers is not installed: pip install -e '.[huggingface]'"
         ) from None
     vocabulary = vocabulary_size(cfg)
+    special = {f"{role}_token_id": token_id for role, token_id in special_tokens(cfg).items()}
     if cfg.model.config is not None:
         if not Path(cfg.model.config).exists():
             raise ConfigError(f"model.config: {cfg.model.config} does not exist; pass a config.json or its folder")
-        built = transformers.AutoConfig.from_pretrained(cfg.model.config, vocab_size=vocabulary)
+        built = transformers.AutoConfig.from_pretrained(cfg.model.config, vocab_size=vocabulary, **special)
         longest = getattr(built, "max_position_embeddings", None)
         if longest is not None and cfg.model.context > longest:
             raise ConfigError(
                 f"model.context: {cfg.model.context} is longer than {cfg.model.config}'s max_position_embeddings "
                 f"({longest}); use model.context={longest} or less"
             )
+        note = unused_settings_note(cfg, built)
+        if note and not (torch.distributed.is_initialized() and torch.distributed.get_rank() > 0):
+            print(note, flush=True)  # at start-up, once: rank 0's
         return built
     if cfg.model.width % cfg.model.heads or cfg.model.heads % cfg.model.kv_heads:
         raise ConfigError(
@@ -94,11 +104,27 @@ def transformers_config(cfg: Config):
     settings = {**vars(cfg.model), "mlp_width": cfg.model.mlp_width or mlp_width(cfg.model.width)}
     sizes = {name: settings[ours] for name, ours in SETTINGS.items() if hasattr(defaults, name)}
     dropouts = {name: cfg.model.dropout for name in DROPOUTS if hasattr(defaults, name)}
-    # the prepared data has no special tokens: ids the defaults name (GPT-2's 50256) may lie outside it
-    special = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    # the data's special tokens: ids the defaults name (GPT-2's 50256) may lie outside its vocabulary
     return transformers.AutoConfig.for_model(
         cfg.model.model_type, vocab_size=vocabulary, **sizes, **dropouts, **special
     )
+
+
+def unused_settings_note(cfg: Config, built) -> str | None:
+    """One line naming the settings that model.config's file decides and that are set otherwise
+    (config sync keeps every model.* setting in configs/default.yaml, where they look in use); None
+    when the file agrees with them all. model.context is not one: it is the training window."""
+    ours = [("model_type", "model_type"), *((name, key) for name, key in SETTINGS.items() if key != "context")]
+    ours += [(name, "dropout") for name in DROPOUTS]
+    differ = {}
+    for name, key in ours:
+        value = getattr(cfg.model, key)
+        if value is not None and hasattr(built, name) and getattr(built, name) != value:
+            differ.setdefault(key, f"model.{key}={value} (the file: {name}={getattr(built, name)})")
+    if not differ:
+        return None
+    verb = "are" if len(differ) > 1 else "is"
+    return f"note: model.config {cfg.model.config} decides the model: {', '.join(differ.values())} {verb} not used"
 
 
 def mlp_width(width: int) -> int:

@@ -38,6 +38,7 @@ BUILT_IN_PACKAGES = ("json", "http")  # about 260 kB of Python: minutes of CPU t
 SPLITS = {"train": "train.bin", "eval": "val.bin"}
 META = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"  # a `tokenizers` file, copied into the data directory by prepare
+SPECIAL_TOKENS = ("bos", "eos", "pad")  # the roles of the special tokens meta.json records: begin, end of text, padding
 
 
 @dataclass
@@ -193,5 +194,21 @@ def tokenizer_file(cfg: Config) -> Path | None:
     return Path(name) if name.endswith(".json") else None
 
 
+def special_tokens(cfg: Config) -> dict[str, int | None]:
+    """The ids of the data's begin-of-text, end-of-text and padding tokens ("bos", "eos", "pad"), as
+    prepare recorded them from the tokenizer; None where it has none (bytes have none, and data
+    prepared before prepare recorded them has none on record)."""
+    if cfg.data.shards is not None:
+        recorded = packs.facts(cfg).get("special_tokens")
+    else:
+        recorded = None if cfg.dataset.dir is None else read_meta(cfg.dataset.dir).get("special_tokens")
+    return {role: (recorded or {}).get(role) for role in SPECIAL_TOKENS}
+
+
 def pack_facts(cfg: Config) -> dict:
-    return {"vocabulary_size": vocabulary_size(cfg), "context": cfg.model.context, "tokenizer": tokenizer_name(cfg)}
+    return {
+        "vocabulary_size": vocabulary_size(cfg),
+        "context": cfg.model.context,
+        "tokenizer": tokenizer_name(cfg),
+        "special_tokens": special_tokens(cfg),
+    }

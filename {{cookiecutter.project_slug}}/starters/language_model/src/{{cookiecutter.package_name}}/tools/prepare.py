@@ -7,8 +7,9 @@
 
 The files' tokens are concatenated in the order given into DIR/train.bin; DIR/val.bin holds the
 tokens of the --eval files, or, without them, the last --eval-share (10%) of the files' tokens.
-DIR/meta.json records the token dtype, the vocabulary size, the tokenizer and the absolute paths
-of the sources; training and `sample` read it. The default tokenizer is byte-level (256 ids, any
+DIR/meta.json records the token dtype, the vocabulary size, the tokenizer, the ids of its
+begin-of-text, end-of-text and padding tokens (null where it has none) and the absolute paths of
+the sources; training, `sample` and `export` read it. The default tokenizer is byte-level (256 ids, any
 file, nothing to download). Another one is either
 - a `tokenizer.json` (the Hugging Face `tokenizers` library's file, the huggingface extra): it is
   copied into DIR, so the tokenizer travels with the data, and meta.json names that copy; or
@@ -46,6 +47,16 @@ def check_starter_data(command: str) -> None:
         )
 
 
+# how common tokenizer.json files spell their begin-of-text, end-of-text and padding tokens, in the
+# order tried (Llama 2 and Mistral, Llama 3, GPT-2 and Qwen, Gemma): Llama 3's chat turn end
+# (<|eot_id|>) and Qwen's (<|im_end|>) are not a text's end
+SPECIAL_NAMES = {
+    "bos": ("<s>", "<|begin_of_text|>", "<|startoftext|>", "<bos>"),
+    "eos": ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>"),
+    "pad": ("<pad>", "<|pad|>", "<|padding|>", "[PAD]"),
+}
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: no vocabulary to learn or download; decoding replaces broken characters."""
 
@@ -81,6 +92,12 @@ class TokenizerFile:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    def special_ids(self) -> dict[str, int]:
+        """The ids of the file's special tokens that SPECIAL_NAMES spells, by role."""
+        special = {token.content: i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special}
+        found = {role: next((special[n] for n in names if n in special), None) for role, names in SPECIAL_NAMES.items()}
+        return {role: token_id for role, token_id in found.items() if token_id is not None}
+
 
 def load_tokenizer(name: str):
     """The tokenizer `name` records: bytes, a tokenizer.json file, or MODULE:ATTRIBUTE."""
@@ -104,6 +121,22 @@ def tokenizer_vocabulary(tokenizer) -> int:
     if not isinstance(size, int) or size < 1:
         raise ConfigError(f"tokenizer {tokenizer!r} has no integer n_vocab or vocab_size")
     return size
+
+
+def special_tokens(tokenizer, vocabulary: int) -> dict[str, int | None]:
+    """The ids of the tokenizer's begin-of-text, end-of-text and padding tokens ("bos", "eos",
+    "pad"), None where it has none: a tokenizer.json's by SPECIAL_NAMES; another object's
+    bos_token_id, eos_token_id and pad_token_id (transformers' tokenizers), or its eot_token as the
+    end of text (tiktoken's); bytes have none. An id outside the vocabulary is none."""
+    if isinstance(tokenizer, TokenizerFile):
+        found = tokenizer.special_ids()
+    elif isinstance(tokenizer, ByteTokenizer):
+        found = {}
+    else:
+        found = {role: getattr(tokenizer, f"{role}_token_id", None) for role in SPECIAL_NAMES}
+        found["eos"] = found["eos"] if found["eos"] is not None else getattr(tokenizer, "eot_token", None)
+    valid = {role: i for role, i in found.items() if isinstance(i, int) and 0 <= i < vocabulary}
+    return {role: valid.get(role) for role in SPECIAL_NAMES}
 
 
 def token_ids(files: list[Path], tokenizer) -> np.ndarray:
@@ -153,6 +186,7 @@ def prepare(
         "dtype": np.dtype(dtype).name,
         "vocabulary_size": vocabulary,
         "tokenizer": tokenizer_name,
+        "special_tokens": special_tokens(tokenizer, vocabulary),  # the exported model's ids (examples/huggingface)
         "tokens": {"train": len(parts[0]), "eval": len(parts[1])},
         "sources": {
             "train": [str(path.resolve()) for path in files] or ["built-in corpus"],
