@@ -67,6 +67,7 @@ def evaluation_line(record: dict) -> str:
 
 PROGRESS_EVERY_S = 10.0  # without a terminal: a step's line once the console has been quiet this long
 ESTIMATE_AFTER = 3  # the attempt's steps before the first estimate (the first step carries the start-up)
+ESTIMATE_OVER_S = 2.0  # the estimate line waits for this much time after the first step: fast steps vary
 
 
 def duration_text(seconds: float) -> str:
@@ -95,6 +96,7 @@ class Progress:
         self.step = first_step
         self.start = self.now = time.perf_counter()
         self.first_done: float | None = None  # when the attempt's first step ended
+        self.estimated = False  # the estimate of the whole has been given
 
     def step_done(self) -> None:
         self.step += 1
@@ -148,8 +150,8 @@ class TrainingLog:
     `record()` runs every optimizer step and costs one device add and no host sync, except on rank 0
     for the first ESTIMATE_AFTER steps (their time makes the estimate). It moves the progress: a
     bar on a terminal; else a step's line whenever the console has been quiet PROGRESS_EVERY_S
-    (every step of a slow run, from the first), and the estimate of the whole after ESTIMATE_AFTER
-    steps when the run is not over by then. `flush()`
+    (every step of a slow run, from the first), and the estimate of the whole once ESTIMATE_AFTER
+    steps and ESTIMATE_OVER_S have passed, when the run is not over by then. `flush()`
     ends the window: one all-reduce of its sums, the seconds of its phases (profiling.StepClock)
     and the ranks' stop requests (a collective: every rank calls it at the same step). It
     records and writes; what to do about the values (stop, a non-finite loss) the loop decides.
@@ -222,10 +224,12 @@ class TrainingLog:
         if not self.bar.disable:
             return  # the bar shows the steps, their rate and the time left
         left = progress.seconds_left()
-        first_estimate = progress.done == ESTIMATE_AFTER and left is not None and left >= PROGRESS_EVERY_S
+        settled = left is not None and progress.now - progress.first_done >= ESTIMATE_OVER_S
+        first_estimate = settled and not progress.estimated and left >= PROGRESS_EVERY_S
         quiet = time.perf_counter() - self.last_line >= PROGRESS_EVERY_S
         if first_estimate or quiet:
             self.print(progress.line(estimate=first_estimate))
+            progress.estimated |= first_estimate
 
     def flush(self, step: int, epoch: int, lr: float, seconds: dict[str, float], stop_requested: bool) -> Window:
         """End the window at `step`: reduce it over ranks, write and print its record.
