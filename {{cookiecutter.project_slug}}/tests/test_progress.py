@@ -145,6 +145,31 @@ def test_the_smoke_estimate_counts_every_micro_batch_and_offers_the_quick_check_
     assert "quick check" not in smoke.estimate_line(0.05, job, smoke_config(), quick=False)  # 2 s: no need
 
 
+@pytest.mark.usefixtures("world_of_one")
+def test_the_gradient_check_times_both_passes_in_the_runs_precision(monkeypatch):
+    """The estimate comes from these passes: in fp32 they would misjudge a bf16 run, by 10x where
+    a CPU emulates bf16."""
+    entered = []
+    real_autocast = smoke.train.autocast
+
+    def recording_autocast(cfg, info):
+        entered.append(cfg.train.precision)
+        return real_autocast(cfg, info)
+
+    monkeypatch.setattr(smoke.train, "autocast", recording_autocast)
+    monkeypatch.setattr(
+        smoke, "task", SimpleNamespace(to_device=lambda batch, device: batch, loss_sum=lambda m, b: m(b).sum())
+    )
+    digests = iter([["a", "b"], ["c", "c"]])  # two ranks: their own gradients differ, the reduced ones agree
+    monkeypatch.setattr(smoke.dist, "all_gather_objects", lambda _: next(digests))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    job = SimpleNamespace(model=model, train_loader=[torch.ones(3, 4)])
+    passes = []
+    two_ranks = DistInfo(0, 0, 2, 2, torch.device("cpu"), "gloo")
+    verdict, _ = smoke.check_gradients_reduced(job, smoke_config(), two_ranks, passes)
+    assert verdict == "PASS" and entered == ["bf16", "bf16"] and len(passes) == 2
+
+
 @pytest.mark.slow
 def test_a_cpu_smoke_check_says_what_it_runs_before_its_first_step_and_foresees_it(tmp_path):
     mine = tmp_path / "mine.yaml"  # not the quick check: a run of the user's

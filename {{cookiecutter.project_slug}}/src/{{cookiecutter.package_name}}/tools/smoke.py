@@ -113,12 +113,16 @@ def check_gradients_reduced(job: train.Job, cfg, info: DistInfo, passes: list[fl
         return check_gradients_reduce_scattered(model, batch, cfg, info, passes)
     start = time.perf_counter()
     with model.no_sync():
-        task.loss_sum(model, batch).backward()
+        with train.autocast(cfg, info):  # the run's precision: the passes time its steps
+            loss = task.loss_sum(model, batch)
+        loss.backward()
     local = dist.all_gather_objects(gradient_digest(model))  # a digest reads the gradients: the pass has ended
     passes.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    task.loss_sum(model, batch).backward()
+    with train.autocast(cfg, info):
+        loss = task.loss_sum(model, batch)
+    loss.backward()
     reduced = dist.all_gather_objects(gradient_digest(model))
     passes.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
