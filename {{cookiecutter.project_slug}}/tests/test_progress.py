@@ -3,13 +3,19 @@ log's progress (a bar on a terminal, else a line whenever the console was quiet)
 check's notes on a machine without the GPUs the project was planned for."""
 
 import io
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env, torchrun
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, kill_session, project_env, torchrun, wait_for
 
+from {{ cookiecutter.package_name }}.base import preemption
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import metrics
 from {{ cookiecutter.package_name }}.loop.metrics import TrainingLog, duration_text
@@ -189,3 +195,46 @@ def test_a_cpu_smoke_check_says_what_it_runs_before_its_first_step_and_foresees_
     assert out.startswith("smoke: no GPU here: checking the configured run (planned for 8 GPU(s) a node)"), out
     estimate = out.index("smoke: one forward and backward took ")
     assert "the 6 steps take about" in out[estimate:] and estimate < out.index("step 5 |") < out.index("PASS")
+
+
+def test_a_stop_request_ends_a_smoke_rank_at_once_as_a_preempted_run_reports_it(tmp_path, capsys, monkeypatch):
+    """A smoke check has nothing to save: the launcher's stop (a Ctrl-C) ends each rank at once,
+    and the marker makes the launcher exit 130 rather than report a failure."""
+    marker = tmp_path / "preempted"
+    monkeypatch.setenv(preemption.MARKER_ENV, str(marker))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(preemption.signal, "signal", lambda *_: None)  # report_preemption's own: not in this process
+    monkeypatch.setattr(smoke.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit) as stopped:
+        smoke.stop_now(preemption.WORKER_STOP_SIGNAL, None)
+    assert stopped.value.code == 0 and marker.exists()
+    assert capsys.readouterr().out == "smoke: stopped on request before its checks ended; nothing to save\n"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_smoke_check_under_the_launcher_with_one_line_and_130(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    shutil.copy(SMOKE_CONFIG, mine)
+    out = tmp_path / "out.txt"
+    long_run = ["train.epochs=1000", "train.max_steps=100000", f"run.out_dir={tmp_path}"]
+    command = [sys.executable, "-m", f"{PACKAGE}.tools.launch", "--standalone", "-m", f"{PACKAGE}.tools.smoke"]
+    env = project_env(NPROC_PER_NODE="2", CUDA_VISIBLE_DEVICES="")
+    with open(out, "w") as sink:
+        launcher = subprocess.Popen(
+            [*command, "--config", str(mine), *long_run],
+            cwd=PROJECT,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: "smoke: one forward and backward took" in out.read_text(), timeout=240)
+        time.sleep(1)  # into the training steps
+        os.kill(launcher.pid, signal.SIGINT)
+        assert launcher.wait(timeout=60) == 130, out.read_text()
+    finally:
+        kill_session(launcher, signal.SIGKILL)
+    text = out.read_text()
+    assert "smoke: stopped on request before its checks ended; nothing to save" in text, text
+    assert "Traceback" not in text and "PASS" not in text, text

@@ -11,7 +11,8 @@ check fails. Every check runs on every rank (they gather results), so a failure 
 rank waiting in a collective.
 
 Without a GPU it says at once that the run it checks was planned for GPUs, and names the quick
-check; after the first forward and backward it estimates the whole. Ctrl-C stops it.
+check; after the first forward and backward it estimates the whole. Ctrl-C stops it at once
+(it has nothing to save), with one line and the launcher's exit status 130.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -356,7 +358,20 @@ def main(argv=None) -> int:
     note = planned_note(cfg, info, quick)
     if note:
         dist.print0(info, note)
+    signal.signal(preemption.WORKER_STOP_SIGNAL, stop_now)  # the launcher's stop: Ctrl-C, a TERM
     return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info, quick))
+
+
+def stop_now(signum, frame) -> None:
+    """The node launcher's stop signal (it turns a Ctrl-C into this on every rank): a smoke check
+    has nothing to save, so the rank leaves at once, reporting the stop as a preempted run does.
+    The launcher then exits 130 after a Ctrl-C. Every rank gets the signal; a peer still in a
+    collective with this one sees its connection close and gets it too."""
+    code = preemption.report_preemption()
+    if os.environ.get("RANK", "0") == "0":
+        print("smoke: stopped on request before its checks ended; nothing to save", flush=True)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def smoke(cfg: config.Config, info: DistInfo, quick: bool = False) -> int:
