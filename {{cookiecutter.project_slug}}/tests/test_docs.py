@@ -136,6 +136,14 @@ def test_no_table_repeats_a_row(page):
     assert not repeated, f"{page.name}: rows written twice: {repeated}"
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_a_table_ends_before_the_text_after_it(page):
+    """Markdown reads a line right under a table as one more row."""
+    lines = re.sub(r"```.*?```", "", page.read_text(), flags=re.S).splitlines()
+    for row, after in zip(lines, lines[1:]):
+        assert not (row.startswith("|") and after.strip() and not after.startswith("|")), f"{page.name}: {after!r}"
+
+
 def test_training_md_gives_the_build_order_train_build_runs():
     """The loaders are built (and checked through the task) before the model is wrapped."""
     order = ["build_loaders", "check_task", "wrap(", "build_optimizer", "build_scheduler"]
