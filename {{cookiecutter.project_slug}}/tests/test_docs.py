@@ -6,6 +6,7 @@ short sentences."""
 import ast
 import importlib
 import importlib.util
+import inspect
 import re
 from functools import cache
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from conftest import PACKAGE, PROJECT
 
 from {{ cookiecutter.package_name }} import config, train
+from {{ cookiecutter.package_name }}.loop import parallel
 from {{ cookiecutter.package_name }}.tools import diagnose, smoke
 
 PAGES = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
@@ -140,7 +142,7 @@ def test_no_table_repeats_a_row(page):
 def test_a_table_ends_before_the_text_after_it(page):
     """Markdown reads a line right under a table as one more row."""
     lines = re.sub(r"```.*?```", "", page.read_text(), flags=re.S).splitlines()
-    for row, after in zip(lines, lines[1:]):
+    for row, after in zip(lines, lines[1:], strict=False):  # each line with the next
         assert not (row.startswith("|") and after.strip() and not after.startswith("|")), f"{page.name}: {after!r}"
 
 
@@ -152,6 +154,18 @@ def test_training_md_gives_the_build_order_train_build_runs():
     page = text_of(PROJECT / "docs" / "training.md")
     said = ["builds the loaders", "checks one batch", "wraps the model", "builds the optimizer", "the schedule"]
     assert [page.index(step) for step in said] == sorted(page.index(step) for step in said)
+
+
+def test_training_md_names_what_decides_whether_a_micro_batch_reduces():
+    """Under fsdp with parallel.reduce_every_micro_batch every micro-batch reduce-scatters: the page
+    once said every strategy skipped the reduction on all but the last."""
+    decides = {
+        f"parallel.{name}" for name in re.findall(r"cfg\.parallel\.(\w+)", inspect.getsource(parallel.micro_batch))
+    }
+    page = " ".join(text_of(PROJECT / "docs" / "training.md").split())
+    bullet = page.split("**Loss weighting and accumulation.**")[1].split("- **")[0]
+    assert decides and all(f"`{setting}" in bullet for setting in decides), (decides, bullet)
+    assert "no_sync" in bullet and "every rank and every micro-batch" in bullet
 
 
 SOURCE_OF_TRAIN = Path(train.__file__).read_text()
