@@ -74,6 +74,7 @@ COMMON_FILES = {
     "tests/test_multinode.py",
     "tests/test_optim.py",
     "tests/test_profiler.py",
+    "tests/test_progress.py",
     "tests/test_report.py",
     "tests/test_resume.py",
     "tests/test_packs.py",

@@ -1,10 +1,12 @@
 """The README and docs/ stay true: every command they show names a module, script, config file or
-setting that exists, every test they cite exists, every link lands, and the README stays a front
-door (under 250 lines, the rest in docs/)."""
+setting that exists, every test they cite exists, every link lands, what they say of the code
+holds, and the README stays a front door (under 250 lines, the rest in docs/). The pages read in
+short sentences."""
 
 import ast
 import importlib
 import importlib.util
+import inspect
 import re
 from functools import cache
 from pathlib import Path
@@ -12,7 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import PACKAGE, PROJECT
 
-from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }} import config, train
+from {{ cookiecutter.package_name }}.loop import parallel
+from {{ cookiecutter.package_name }}.tools import diagnose, smoke
 
 PAGES = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
 FILE_SUFFIXES = {"py", "pt", "yaml", "json", "jsonl", "md", "sh", "sbatch", "png", "bin", "safetensors", "txt", "npy"}
@@ -118,3 +122,110 @@ def test_the_readme_is_a_front_door_and_links_every_page_of_docs():
     assert readme.count("\n") < 250, "the README grows past a front door: move the detail to a page of docs/"
     linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", readme))
     assert linked == {page.name for page in (PROJECT / "docs").glob("*.md")}
+
+
+@pytest.mark.parametrize("path", sorted((PROJECT / "src" / PACKAGE).rglob("*.py")), ids=lambda path: path.name)
+def test_every_module_the_code_tells_you_to_run_exists(path):
+    """Docstrings and messages name commands too (a module once moved: `python -m PACKAGE.pack`)."""
+    for module in set(re.findall(rf"python -m ({PACKAGE}(?:\.\w+)+)", path.read_text())):
+        assert importlib.util.find_spec(module) is not None, f"{path.name}: python -m {module}: no such module"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_no_table_repeats_a_row(page):
+    rows = [line for line in text_of(page).splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    repeated = {row[:80] for row in rows if rows.count(row) > 1}
+    assert not repeated, f"{page.name}: rows written twice: {repeated}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_a_table_ends_before_the_text_after_it(page):
+    """Markdown reads a line right under a table as one more row."""
+    lines = re.sub(r"```.*?```", "", page.read_text(), flags=re.S).splitlines()
+    for row, after in zip(lines, lines[1:], strict=False):  # each line with the next
+        assert not (row.startswith("|") and after.strip() and not after.startswith("|")), f"{page.name}: {after!r}"
+
+
+def test_training_md_gives_the_build_order_train_build_runs():
+    """The loaders are built (and checked through the task) before the model is wrapped."""
+    order = ["build_loaders", "check_task", "wrap(", "build_optimizer", "build_scheduler"]
+    code = ast.get_source_segment(SOURCE_OF_TRAIN, function_named(SOURCE_OF_TRAIN, "build"))
+    assert [code.index(step) for step in order] == sorted(code.index(step) for step in order)
+    page = text_of(PROJECT / "docs" / "training.md")
+    said = ["builds the loaders", "checks one batch", "wraps the model", "builds the optimizer", "the schedule"]
+    assert [page.index(step) for step in said] == sorted(page.index(step) for step in said)
+
+
+def test_training_md_names_what_decides_whether_a_micro_batch_reduces():
+    """Under fsdp with parallel.reduce_every_micro_batch every micro-batch reduce-scatters: the page
+    once said every strategy skipped the reduction on all but the last."""
+    decides = {
+        f"parallel.{name}" for name in re.findall(r"cfg\.parallel\.(\w+)", inspect.getsource(parallel.micro_batch))
+    }
+    page = " ".join(text_of(PROJECT / "docs" / "training.md").split())
+    bullet = page.split("**Loss weighting and accumulation.**")[1].split("- **")[0]
+    assert decides and all(f"`{setting}" in bullet for setting in decides), (decides, bullet)
+    assert "no_sync" in bullet and "every rank and every micro-batch" in bullet
+
+
+SOURCE_OF_TRAIN = Path(train.__file__).read_text()
+
+
+def function_named(source: str, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_a_page_gives_the_smoke_checks_length_as_it_runs(page):
+    steps = int(next(item.split("=")[1] for item in smoke.SMOKE_RUN if item.startswith("train.max_steps=")))
+    text = " ".join(text_of(page).split())
+    said = re.findall(r"smoke check[^.]*?\b(\d+) steps", text)
+    if page.name == "README.md":  # its section on the smoke check
+        said += re.findall(r"\b(\d+) steps", text.split("## Check it on this machine")[1].split("## ")[0])
+    assert said or page.name != "README.md"
+    for count in said:
+        assert int(count) == steps, f"{page.name}: the smoke check runs {steps} steps, not {count}"
+
+
+def test_the_scaling_bands_are_those_diagnose_prints():
+    bands = re.findall(r"efficiency >= (0\.\d+)", Path(diagnose.__file__).read_text())
+    line = next(
+        line for line in text_of(PROJECT / "docs" / "observability.md").split("\n\n") if "Scaling efficiency" in line
+    )
+    assert bands and set(re.findall(r"\b0\.\d+", line)) == set(bands), (bands, line)
+
+
+# pages another change rewrites now; each leaves this list once it reads in short sentences
+LONGER_FOR_NOW = {"your-model-and-data.md", "strategies-and-memory.md"}
+SHORT_SENTENCES = 25  # words a sentence, on average over a page
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_page_reads_in_short_sentences(page):
+    if page.name in LONGER_FOR_NOW:
+        pytest.skip(f"{page.name} is being rewritten")
+    lengths = [len(sentence) for sentence in sentences(page.read_text())]
+    mean = sum(lengths) / max(1, len(lengths))
+    assert mean <= SHORT_SENTENCES, f"{page.name}: {mean:.1f} words a sentence on average; split the long ones"
+
+
+def sentences(text: str) -> list[list[str]]:
+    """The words of each sentence of a page's prose: not code blocks, tables or headings; a list
+    item is a sentence of its own, and so is what a colon ends."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    blocks, current = [], []
+    for line in [*text.splitlines(), ""]:
+        line = line.strip()
+        if not line or line.startswith(("|", "#")) or re.match(r"([-*]|\d+\.)\s", line):
+            blocks.append(" ".join(current))
+            current = []
+        if line and not line.startswith(("|", "#")):
+            current.append(re.sub(r"^([-*]|\d+\.)\s+", "", line))
+    found = []
+    for block in blocks:
+        block = re.sub(r"`[^`]*`", lambda code: re.sub(r"[.!?:]", "_", code.group(0)), block)  # code is one word
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z`(\"*\[])|:\s*$", block):
+            words = [word for word in sentence.split() if re.search(r"\w", word)]
+            if words:
+                found.append(words)
+    return found

@@ -28,6 +28,74 @@ def evaluation_line(record: dict) -> str:
     return f"eval step {record['step']} | epoch {record['epoch']} | {shown} | {record[records.EVAL_SAMPLES]} samples"
 
 
+PROGRESS_EVERY_S = 10.0  # without a terminal: a step's line once the console has been quiet this long
+ESTIMATE_AFTER = 3  # the attempt's steps before the first estimate (the first step carries the start-up)
+ESTIMATE_OVER_S = 2.0  # the estimate line waits for this much time after the first step: fast steps vary
+
+
+def duration_text(seconds: float) -> str:
+    """A duration a person reads at a glance: 0.4 s, 42 s, 3 min 05 s, 2 h 07 min."""
+    if seconds < 1:
+        return f"{seconds:.2g} s"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+class Progress:
+    """Where rank 0's attempt stands: the steps done of the planned ones, the time a step takes
+    after the first (which carries the start-up: compilation, the loader's workers, the first
+    allocations) and so the time left. Reads the clock only; the caller makes it true on CUDA."""
+
+    def __init__(self, first_step: int, total_steps: int):
+        self.first_step, self.total_steps = first_step, total_steps
+        self.step = first_step
+        self.start = self.now = time.perf_counter()
+        self.first_done: float | None = None  # when the attempt's first step ended
+        self.estimated = False  # the estimate of the whole has been given
+
+    def step_done(self) -> None:
+        self.step += 1
+        self.now = time.perf_counter()
+        if self.first_done is None:
+            self.first_done = self.now
+
+    @property
+    def done(self) -> int:
+        """Steps this attempt has run."""
+        return self.step - self.first_step
+
+    def seconds_per_step(self) -> float | None:
+        """The mean step after the attempt's first, once ESTIMATE_AFTER steps ran; else None."""
+        if self.done < ESTIMATE_AFTER or self.first_done is None:
+            return None
+        return (self.now - self.first_done) / (self.done - 1)
+
+    def seconds_left(self) -> float | None:
+        per_step = self.seconds_per_step()
+        return None if per_step is None else per_step * max(0, self.total_steps - self.step)
+
+    def line(self, estimate: bool) -> str:
+        """This step's line; with `estimate`, also the whole attempt's length as now foreseen."""
+        where = f"step {self.step}/{self.total_steps}"
+        per_step, left = self.seconds_per_step(), self.seconds_left()
+        if per_step is None:
+            return f"{where}: {duration_text(self.now - self.start)} so far (the first step includes the start-up)"
+        line = f"{where}: {duration_text(per_step)} a step, about {duration_text(left)} left"
+        if estimate:
+            whole = self.now - self.start + left
+            line += f"; the {self.total_steps - self.first_step} steps take about {duration_text(whole)}"
+            line += " (evaluations and checkpoints come on top)"
+        return line
+
+
 @dataclass(frozen=True)
 class Window:
     """A log window as every rank agrees on it, after one all-reduce: its record, and what the
@@ -42,7 +110,11 @@ class Window:
 class TrainingLog:
     """Loss, throughput and where the step time goes, over each log window, exact across ranks.
 
-    `record()` runs every optimizer step and costs one device add and no host sync. `flush()`
+    `record()` runs every optimizer step and costs one device add and no host sync, except on rank 0
+    for the first ESTIMATE_AFTER steps (their time makes the estimate). It moves the progress: a
+    bar on a terminal; else a step's line whenever the console has been quiet PROGRESS_EVERY_S
+    (every step of a slow run, from the first), and the estimate of the whole once ESTIMATE_AFTER
+    steps and ESTIMATE_OVER_S have passed, when the run is not over by then. `flush()`
     ends the window: one all-reduce of its sums, the seconds of its phases (profiling.StepClock)
     and the ranks' stop requests (a collective: every rank calls it at the same step). It
     records and writes; what to do about the values (stop, a non-finite loss) the loop decides.
@@ -78,6 +150,8 @@ class TrainingLog:
             disable=not (info.is_main and sys.stderr.isatty()),
             dynamic_ncols=True,
         )
+        self.progress = Progress(first_step, total_steps)
+        self.last_line = time.perf_counter()  # when rank 0 last printed: a quiet console gets a step line
         self.evaluations: list[dict] = []
         self.first_step = first_step  # where this attempt began: 0, or a resumed checkpoint's step
         self.run_start, self.run_samples = time.perf_counter(), 0
@@ -100,6 +174,25 @@ class TrainingLog:
         if grad_norm is not None:
             self.grad_norm_sum += grad_norm
             self.norms += 1
+        if self.info.is_main:
+            self.step_progress()
+
+    def step_progress(self) -> None:
+        """Rank 0, after each step: the bar moves; without a terminal, a line when one is due."""
+        progress = self.progress
+        if self.info.device.type == "cuda" and progress.done < ESTIMATE_AFTER:
+            torch.cuda.synchronize(self.info.device)  # the estimate's steps, timed as run, not as queued
+        progress.step_done()
+        self.bar.update(1)
+        if not self.bar.disable:
+            return  # the bar shows the steps, their rate and the time left
+        left = progress.seconds_left()
+        settled = left is not None and progress.now - progress.first_done >= ESTIMATE_OVER_S
+        first_estimate = settled and not progress.estimated and left >= PROGRESS_EVERY_S
+        quiet = time.perf_counter() - self.last_line >= PROGRESS_EVERY_S
+        if first_estimate or quiet:
+            self.print(progress.line(estimate=first_estimate))
+            progress.estimated |= first_estimate
 
     def flush(self, step: int, epoch: int, lr: float, seconds: dict[str, float], stop_requested: bool) -> Window:
         """End the window at `step`: reduce it over ranks, write and print its record.
@@ -134,6 +227,7 @@ class TrainingLog:
         if peaks:
             record["peak_mem_gib"] = max(peaks)
         self.write(record)
+        self.progress.step = step  # the loop's count is the truth
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", speed=self.speed_text(record))
         if self.bar.disable:
@@ -142,13 +236,17 @@ class TrainingLog:
                 f"step {step} | epoch {epoch} | loss {record['loss']:.4f}{norm} | lr {lr:.2e} | "
                 f"{self.speed_text(record)} | data wait {record['data_wait_share']:.0%} | "
                 f"{record['step_ms']:.1f} ms/step: fwd+bwd {record['fwd_bwd_ms']:.1f}, "
-                f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"
+                f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}{self.time_left()}"
             )
         # a sum is finite only if every term was: the window's losses on every rank are one number
         window = Window(record, self.window_first_step, math.isfinite(loss_sum), stops > 0)
         self.window_first_step = step + 1
         self.reset()
         return window
+
+    def time_left(self) -> str:
+        left = self.progress.seconds_left()
+        return "" if left is None or left < PROGRESS_EVERY_S else f" | {duration_text(left)} left"
 
     def speed(self, samples_per_s: float) -> dict[str, float]:
         """Samples/s over every rank; the task's units/s; MFU: the model's FLOPs done per second
@@ -233,6 +331,7 @@ class TrainingLog:
     def print(self, line: str) -> None:
         """A line on rank 0's console that does not break the progress bar."""
         if self.info.is_main:
+            self.last_line = time.perf_counter()
             if self.bar.disable:
                 print(line, flush=True)
             else:

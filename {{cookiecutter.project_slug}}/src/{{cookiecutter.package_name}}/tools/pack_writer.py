@@ -1,4 +1,4 @@
-"""The packing process that `python -m {{ cookiecutter.package_name }}.pack` starts and supervises.
+"""The packing process that `python -m {{ cookiecutter.package_name }}.tools.pack` starts and supervises.
 
     python -m {{ cookiecutter.package_name }}.tools.pack_writer OUT [pack's options] --stage FOLDER --workdir FOLDER
 

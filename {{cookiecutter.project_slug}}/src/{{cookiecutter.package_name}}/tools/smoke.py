@@ -1,7 +1,7 @@
 """The multi-GPU acceptance check: is DDP wired correctly on this machine, for the run you configured?
 
     scripts/smoke.sh                  # configs/default.yaml on every local GPU (2 CPU processes without)
-    scripts/smoke.sh --config configs/smoke.yaml                 # the tiny run the tests use
+    scripts/smoke.sh --config configs/smoke.yaml                 # the tiny run the tests use: the quick check
     torchrun --standalone --nproc_per_node=4 -m {{ cookiecutter.package_name }}.tools.smoke
 
 Trains a few steps of the configured model on the configured data in the configured precision
@@ -9,6 +9,10 @@ Trains a few steps of the configured model on the configured data in the configu
 own code, evaluates once at the end, and prints a PASS/FAIL/SKIP table on rank 0; exits 1 if any
 check fails. Every check runs on every rank (they gather results), so a failure never leaves a
 rank waiting in a collective.
+
+Without a GPU it says at once that the run it checks was planned for GPUs, and names the quick
+check; after the first forward and backward it estimates the whole. Ctrl-C stops it at once
+(it has nothing to save), with one line and the launcher's exit status 130.
 """
 
 from __future__ import annotations
@@ -16,9 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import os
 import shutil
+import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -31,6 +38,7 @@ from ..base.batching import elements
 from ..base.dist import DistInfo
 from ..base.rules import exit_on_user_error
 from ..loop import checkpoint, loaders, parallel
+from ..loop.metrics import duration_text
 from . import checks
 from .checks import FAIL, INFO, PASS, SKIP
 
@@ -96,21 +104,29 @@ def check_backend(info: DistInfo) -> tuple[str, str]:
     return (PASS if actual == expected else FAIL), f"{actual} (expected {expected} on {info.device.type})"
 
 
-def check_gradients_reduced(job: train.Job, cfg, info: DistInfo) -> tuple[str, str]:
+def check_gradients_reduced(job: train.Job, cfg, info: DistInfo, passes: list[float]) -> tuple[str, str]:
     """Each rank's first batch of the user's own loader differs; after backward every rank must
-    hold the same gradients."""
+    hold the same gradients. Appends the seconds of each forward and backward to `passes`."""
     if not info.distributed:
         return SKIP, "a world of one has nothing to all-reduce"
     batch = task.to_device(next(iter(job.train_loader)), info.device)
     model = job.model
     if dist.sharded(model):
-        return check_gradients_reduce_scattered(model, batch, cfg, info)
+        return check_gradients_reduce_scattered(model, batch, cfg, info, passes)
+    start = time.perf_counter()
     with model.no_sync():
-        task.loss_sum(model, batch).backward()
-    local = dist.all_gather_objects(gradient_digest(model))
+        with train.autocast(cfg, info):  # the run's precision: the passes time its steps
+            loss = task.loss_sum(model, batch)
+        loss.backward()
+    local = dist.all_gather_objects(gradient_digest(model))  # a digest reads the gradients: the pass has ended
+    passes.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
-    task.loss_sum(model, batch).backward()
+    start = time.perf_counter()
+    with train.autocast(cfg, info):
+        loss = task.loss_sum(model, batch)
+    loss.backward()
     reduced = dist.all_gather_objects(gradient_digest(model))
+    passes.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     if len(set(local)) == 1:
         return FAIL, "local gradients were already equal: the ranks did not get different data"
@@ -119,13 +135,15 @@ def check_gradients_reduced(job: train.Job, cfg, info: DistInfo) -> tuple[str, s
     return PASS, f"each rank's own batch gave identical gradients on {info.world_size} ranks"
 
 
-def check_gradients_reduce_scattered(model, batch, cfg, info: DistInfo) -> tuple[str, str]:
+def check_gradients_reduce_scattered(model, batch, cfg, info: DistInfo, passes: list[float]) -> tuple[str, str]:
     """Under FSDP each rank keeps its shard of the averaged gradient: the ranks' losses on their
     own batches differ, and every parameter gets a finite gradient shard on every rank."""
+    start = time.perf_counter()
     with train.autocast(cfg, info):  # parameters gathered in bf16 meet BatchNorm's fp32 outputs
         loss = task.loss_sum(model, batch)
     loss.backward()
     losses = dist.all_gather_objects(loss.item())
+    passes.append(time.perf_counter() - start)
     shards = [p.grad for p in model.parameters()]
     complete = dist.all_gather_objects(all(g is not None and bool(g.to_local().isfinite().all()) for g in shards))
     model.zero_grad(set_to_none=True)
@@ -167,7 +185,8 @@ def with_one_evaluation(cfg: config.Config) -> config.Config:
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, every=cfg.train.max_steps))
 
 
-def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
+def run_checks(cfg, info: DistInfo, quick: bool = False) -> list[checks.Row]:
+    """Every check's row; `quick`: the run checked is the quick one (no other to suggest)."""
     results = {"device per rank": check_devices(info), "backend": check_backend(info)}
     cfg = with_one_evaluation(cfg)
     job = train.build(cfg, info)
@@ -175,7 +194,10 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     counter = CommCounter()
     if isinstance(job.model, DDP):
         job.model.register_comm_hook(counter, counting_allreduce_hook)
-    results["gradients all-reduced"] = check_gradients_reduced(job, cfg, info)
+    passes: list[float] = []
+    results["gradients all-reduced"] = check_gradients_reduced(job, cfg, info, passes)
+    if passes:
+        dist.print0(info, estimate_line(passes[-1], job, cfg, quick))
     start = time.perf_counter()
     with train.training_log(job, cfg, info) as log:
         train.fit(job, cfg, info, log, preemption.PreemptionFlag(signals=()))
@@ -197,6 +219,46 @@ def run_checks(cfg, info: DistInfo) -> list[checks.Row]:
     results["peak memory per device"] = (INFO, _peak_memory(info))
     # checks gather what they need from every rank; rank 0's verdicts decide everyone's exit code
     return dist.broadcast_object([(verdict, name, detail) for name, (verdict, detail) in results.items()])
+
+
+QUICK_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "smoke.yaml"  # the tests' tiny run
+QUICK_COMMAND = "scripts/smoke.sh --config configs/smoke.yaml"
+QUICK_ENOUGH_S = 120  # a longer check names the quick one beside its estimate
+
+
+def is_quick(files: list[str]) -> bool:
+    """Whether the check runs the quick config: the tests' tiny run, seconds on a CPU."""
+    return any(Path(path).resolve() == QUICK_CONFIG for path in files)
+
+
+def planned_note(cfg, info: DistInfo, quick: bool) -> str | None:
+    """Said at once where no GPU runs what the project was planned for GPUs to run: the check will
+    be slow, an estimate follows, and the quick check is the other choice. None on a GPU, or when
+    the check is already the quick one."""
+    if info.device.type == "cuda" or quick:
+        return None
+    planned = os.environ.get("PLANNED_GPUS_PER_NODE")  # set by scripts/*.sh: the GPUs of the project's plan
+    plan = f"planned for {planned} GPU(s) a node" if planned else "planned for GPUs"
+    precision = cfg.train.precision
+    emulated = f" in {precision}, which a CPU without {precision} units emulates" if precision != "fp32" else ""
+    return (
+        f"smoke: no GPU here: checking the configured run ({plan}) on {info.world_size} CPU process(es){emulated}; "
+        f"an estimate of its length follows the first step. The quick check on a CPU: {QUICK_COMMAND}"
+    )
+
+
+def estimate_line(seconds_per_pass: float, job: train.Job, cfg, quick: bool) -> str:
+    """The check's length, foreseen from one forward and backward of the gradient check (a step
+    makes train.grad_accum_steps of them); when long, the quick check beside it."""
+    steps = job.total_steps
+    seconds = seconds_per_pass * cfg.train.grad_accum_steps * steps
+    line = (
+        f"smoke: one forward and backward took {duration_text(seconds_per_pass)}: the {steps} steps take about "
+        f"{duration_text(seconds)}, then an evaluation and the checks"
+    )
+    if not quick and seconds > QUICK_ENOUGH_S:
+        line += f"; to take the quick check instead: Ctrl-C, then {QUICK_COMMAND}"
+    return line
 
 
 def _loss_trend(logged: list[dict]) -> tuple[str, str]:
@@ -285,21 +347,39 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     info = DistInfo.from_env()
+    files = config.files(args.config)
     with exit_on_user_error():
-        cfg = config.load(config.files(args.config), [*SMOKE_RUN, *args.overrides])
+        cfg = config.load(files, [*SMOKE_RUN, *args.overrides])
         train.check_hardware(cfg, info)
         parallel.check(cfg, info.device)
         checkpoint.check(config.to_dict(cfg))  # the round trip saves as the run would
     info = parallel.with_backend(cfg, info)
-    return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info))
+    quick = is_quick(files)
+    note = planned_note(cfg, info, quick)
+    if note:
+        dist.print0(info, note)
+    signal.signal(preemption.WORKER_STOP_SIGNAL, stop_now)  # the launcher's stop: Ctrl-C, a TERM
+    return dist.run_in_group(info, cfg.dist.timeout_minutes, lambda: smoke(cfg, info, quick))
 
 
-def smoke(cfg: config.Config, info: DistInfo) -> int:
+def stop_now(signum, frame) -> None:
+    """The node launcher's stop signal (it turns a Ctrl-C into this on every rank): a smoke check
+    has nothing to save, so the rank leaves at once, reporting the stop as a preempted run does.
+    The launcher then exits 130 after a Ctrl-C. Every rank gets the signal; a peer still in a
+    collective with this one sees its connection close and gets it too."""
+    code = preemption.report_preemption()
+    if os.environ.get("RANK", "0") == "0":
+        print("smoke: stopped on request before its checks ended; nothing to save", flush=True)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def smoke(cfg: config.Config, info: DistInfo, quick: bool = False) -> int:
     if info.is_main:
         shutil.rmtree(cfg.run_dir.root, ignore_errors=True)  # a clean run directory every time
     dist.barrier()
     with parallel.unreduced_parameters_named():
-        results = run_checks(cfg, info)
+        results = run_checks(cfg, info, quick)
     dist.print0(info, checks.table("smoke", results))
     return checks.exit_code(results)
 
