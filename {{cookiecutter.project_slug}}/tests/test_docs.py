@@ -196,14 +196,11 @@ def test_the_scaling_bands_are_those_diagnose_prints():
 
 
 # pages another change rewrites now; each leaves this list once it reads in short sentences
-LONGER_FOR_NOW = {"your-model-and-data.md", "strategies-and-memory.md"}
 SHORT_SENTENCES = 25  # words a sentence, on average over a page
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
 def test_every_page_reads_in_short_sentences(page):
-    if page.name in LONGER_FOR_NOW:
-        pytest.skip(f"{page.name} is being rewritten")
     lengths = [len(sentence) for sentence in sentences(page.read_text())]
     mean = sum(lengths) / max(1, len(lengths))
     assert mean <= SHORT_SENTENCES, f"{page.name}: {mean:.1f} words a sentence on average; split the long ones"
