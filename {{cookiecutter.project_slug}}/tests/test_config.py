@@ -133,7 +133,7 @@ def test_integers_are_accepted_for_floats():
     [
         ("train.precision=fp8", "train.precision: 'fp8' is not one of bf16, fp16, fp32"),
         ("train.nosuchkey=1", "train.nosuchkey: unknown key"),
-        ("model.nosuchkey=1", "fix its spelling, or, if ModelConfig changed, `python -m"),
+        ("model.nosuchkey=1", "model.nosuchkey: unknown key; known keys: "),
         ("nosection.key=1", "nosection: unknown section"),
         ("data.batch_size=-3", "data.batch_size: -3 is invalid; use at least 1"),
         ("data.batch_size=abc", "data.batch_size: 'abc' is not an integer"),
@@ -198,6 +198,88 @@ def test_a_file_that_extends_another_is_read_over_it_relative_to_its_own_folder(
         config.load(experiment)
 
 
+def files(tmp_path, **texts: str) -> dict:
+    """Config files under tmp_path: experiments__x="..." writes experiments/x.yaml."""
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = tmp_path / f"{name.replace('__', '/')}.yaml"
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        paths[name].write_text(text)
+    return paths
+
+
+def test_a_base_that_extends_names_is_read_once_where_it_first_comes_never_over_the_files_after_it(tmp_path):
+    # --config configs/default.yaml --config mine.yaml --config experiments/example.yaml: mine.yaml's
+    # values stay where example.yaml does not set them
+    paths = files(
+        tmp_path,
+        configs__base=("data:\n  batch_size: 12\noptim:\n  lr: 0.25\n"),
+        mine=("data:\n  batch_size: 64\ntrain:\n  grad_clip: 0.5\noptim:\n  lr: 0.002\n"),
+        experiments__x=("extends: ../configs/base.yaml\noptim:\n  lr: 0.5\nschedule:\n"),
+    )
+    base, mine, experiment = paths["configs__base"], paths["mine"], paths["experiments__x"]
+    cfg, sources = config.compose([base, mine, experiment])
+    assert (cfg.data.batch_size, cfg.train.grad_clip, cfg.optim.lr) == (64, 0.5, 0.5)
+    assert sources.files == (str(base), str(mine), str(experiment))  # each once, in the order applied
+    assert sources.describe() == f"settings: {base} < {mine} < {experiment}"
+    # at its place: a base first named by the file that extends it is read just before that file
+    cfg, sources = config.compose([mine, experiment])
+    assert (cfg.data.batch_size, cfg.optim.lr) == (12, 0.5) and sources.files == (str(mine), str(base), str(experiment))
+
+
+def test_an_extends_naming_a_missing_file_says_that_its_target_is_missing_in_which_file(tmp_path):
+    experiment = files(tmp_path, experiments__x="extends: ../configs/nope.yaml\n")["experiments__x"]
+    with pytest.raises(ConfigError) as raised:
+        config.load([DEFAULT_CONFIG, experiment])
+    assert str(raised.value) == (
+        f"config file {experiment}: its `extends: ../configs/nope.yaml` names {tmp_path / 'configs' / 'nope.yaml'}, "
+        f"which is missing; fix the path there (it is read from {experiment.parent})"
+    )
+
+
+def test_every_error_names_the_file_or_the_override_it_came_from(tmp_path):
+    paths = files(
+        tmp_path, first="optim:\n  lr: 0.5\n", second="optim:\n  lrr: 0.5\n", third="data:\n  batch_size: 0\n"
+    )
+    with pytest.raises(ConfigError) as raised:
+        config.load([paths["first"], paths["second"]])
+    assert str(raised.value) == (
+        f"optim.lrr: unknown key; did you mean optim.lr? (in {paths['second']}; if OptimConfig changed, "
+        f"`python -m {PACKAGE}.config sync {paths['second']}` drops its old keys)"
+    )
+    with pytest.raises(
+        ConfigError, match=re.escape(f"data.batch_size: 0 is invalid; use at least 1 (in {paths['third']})")
+    ):
+        config.load([paths["first"], paths["third"]])
+    with pytest.raises(ConfigError) as raised:
+        config.load([paths["first"]], ["run.name=a", "optim.lrr=1"])
+    assert str(raised.value) == "optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
+    with pytest.raises(
+        ConfigError, match=re.escape("-3 is invalid; use at least 1 (from the command line's data.batch_size=-3)")
+    ):
+        config.load([paths["first"]], ["data.batch_size=-3"])
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("optim.lrr=1", "optim.lrr: unknown key; did you mean optim.lr?"),
+        ("optim.nam=sgd", "optim.nam: unknown key; did you mean optim.name?"),  # its own section's first
+        ("train.batch_size=8", "train.batch_size: unknown key; did you mean data.batch_size?"),  # the wrong section
+        ("optm.lr=1", "optm: unknown section; did you mean optim?"),
+        ("optim.zzz=1", "optim.zzz: unknown key; known keys: betas, lr, lr_scaling, momentum, name, nesterov,"),
+    ],
+)
+def test_an_unknown_name_gets_the_closest_known_one(override, hint):
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        config.load(SMOKE_CONFIG, [override])
+
+
+def test_a_section_named_with_nothing_under_it_changes_nothing(tmp_path):
+    paths = files(tmp_path, first="optim:\n  lr: 0.5\n", second="optim:\n")
+    assert config.load([paths["first"], paths["second"]]).optim.lr == 0.5
+
+
 def test_sync_keeps_a_file_that_extends_another_to_the_settings_it_names(tmp_path):
     experiment = tmp_path / "x.yaml"
     experiment.write_text("# my experiment\nextends: default.yaml\noptim:\n  lr: 0.5\n  gone: 1\n")
@@ -217,17 +299,36 @@ def test_a_config_file_of_the_previous_layout_loads_each_old_name_as_the_new_one
     assert (cfg.parallel.strategy, cfg.parallel.sync_batchnorm, cfg.eval.every) == ("ddp", False, 7)
     assert (cfg.parallel.reshard_after_forward, cfg.parallel.bucket_cap_mb, cfg.dist.timeout_minutes) == (False, 50, 5)
     note = sources.renamed_note()
-    assert note.startswith("note: the config names settings as they were before their sections were regrouped")
+    assert note.startswith(f"note: {PREVIOUS_LAYOUT} names settings as they were before their sections were regrouped")
+    assert note.endswith(f"`python -m {PACKAGE}.config sync {PREVIOUS_LAYOUT}` rewrites it with the new names")
     assert all(f"{old} -> {config.RENAMED[old]}" in note for old in sources.renamed) and len(sources.renamed) == 8
     old_lr = next(old for old, new in config.RENAMED.items() if new == "optim.lr")
     assert config.load(SMOKE_CONFIG, [f"{old_lr}=0.125"]).optim.lr == 0.125  # an override by its old name too
+
+
+def test_a_renamed_key_on_the_command_line_is_named_as_such_with_a_fix_for_the_command_line():
+    old_lr = next(old for old, new in config.RENAMED.items() if new == "optim.lr")
+    cfg, sources = config.compose([DEFAULT_CONFIG], [f"{old_lr}=0.125", "run.name=x"])
+    assert cfg.optim.lr == 0.125
+    assert sources.renamed_note() == (
+        "note: the command line names settings as they were before their sections were regrouped, read as "
+        f"{old_lr} -> optim.lr; type optim.lr=0.125 instead"
+    )
+
+
+def test_two_spellings_of_one_setting_on_one_command_line_are_an_error_as_in_a_file():
+    with pytest.raises(
+        ConfigError, match=r"parallel.strategy=fsdp and train.strategy=ddp on the command line name one"
+    ):
+        config.load(SMOKE_CONFIG, ["parallel.strategy=fsdp", "train.strategy=ddp"])
+    assert config.load(SMOKE_CONFIG, ["optim.lr=0.5", "optim.lr=0.25"]).optim.lr == 0.25  # one spelling: the last
 
 
 def test_an_old_and_a_new_name_of_one_setting_in_one_file_is_an_error(tmp_path):
     old_lr = next(old for old, new in config.RENAMED.items() if new == "optim.lr").split(".")
     both = tmp_path / "both.yaml"
     both.write_text(f"{old_lr[0]}:\n  {old_lr[1]}: 0.1\noptim:\n  lr: 0.2\n")
-    with pytest.raises(ConfigError, match="name one setting: keep optim.lr"):
+    with pytest.raises(ConfigError, match=f"name one setting: keep optim.lr, drop {'.'.join(old_lr)} \\(in {both}\\)"):
         config.load(both)
 
 

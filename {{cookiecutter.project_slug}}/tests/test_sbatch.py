@@ -140,6 +140,13 @@ def test_sbatch_builds_the_launch_command(tmp_path):
     assert args[-3:] == ["run.name=slurm-4242", "checkpoint.resume=auto", "optim.lr=3e-4"]
 
 
+def test_a_config_mistake_stops_the_batch_script_with_one_line_and_exit_2_before_any_node_starts(tmp_path):
+    result = run(["bash", str(SBATCH), "optim.lrr=1"], env=slurm(tmp_path, STUB_EXIT="0"), timeout=60, check=False)
+    typo = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
+    assert (result.returncode, result.stderr.splitlines()) == (2, [typo])
+    assert not (tmp_path / "srun.args").exists()  # srun never ran: one line, not one per node
+
+
 def test_sbatch_asks_for_cpus_and_warns_only_its_batch_shell():
     directives = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
     cpus = next(d for d in directives if d.startswith("--cpus-per-task="))
