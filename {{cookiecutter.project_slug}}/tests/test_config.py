@@ -8,7 +8,7 @@ from subprocess import PIPE
 
 import pytest
 import torch
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, project_env, project_strategy, run, train_args
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, Writes, finish, project_env, project_strategy, run, train_args
 
 from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.base import rules, typed_config
@@ -356,22 +356,37 @@ def test_a_config_error_is_one_write_so_the_ranks_lines_never_run_together(monke
     assert stderr.calls == ["config error: dataset.root: /x is missing\nconfig error: model.arch: 'resnt' is unknown\n"]
 
 
+# a hang's bound, not a speed check: a rank's start-up to this exit took 3-4 s on 2 quiet cores,
+# and 15-30 s at load 10-13 (importing torch, issue 51); a rank that joined its group first would
+# wait there for its peer until dist.timeout_minutes (2 in smoke.yaml) and then fail otherwise
+RANK_HANG_S = 240
+
+
 def test_every_rank_fails_on_a_bad_override_before_any_collective(tmp_path):
-    # each rank of a world of 2 starts alone: joining the group would wait for the missing
-    # peer, so exiting at once with the message shows the check runs before any collective
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    # each rank of a world of 2 starts alone, its store on a port of its own: joining the group
+    # would wait for a peer that never comes, so exiting with the message shows the check runs
+    # before any collective
+    def free_port() -> str:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return str(sock.getsockname()[1])
+
+    world = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     command = [sys.executable, *train_args(tmp_path, "data.batch_size=-3")]
     ranks = [
-        subprocess.Popen(command, cwd=PROJECT, env=project_env(RANK=rank, LOCAL_RANK=rank, **world), stderr=PIPE)
+        subprocess.Popen(
+            command,
+            cwd=PROJECT,
+            env=project_env(RANK=rank, LOCAL_RANK=rank, MASTER_PORT=free_port(), **world),
+            stdout=PIPE,
+            stderr=PIPE,
+            text=True,
+            start_new_session=True,
+        )
         for rank in ("0", "1")
     ]  # side by side, as torchrun starts them
-    for rank in ranks:
-        _, stderr = rank.communicate(timeout=60)
-        assert rank.returncode == 2
-        assert "config error: data.batch_size: -3 is invalid; use at least 1" in stderr.decode()
+    for code, _, stderr in finish(ranks, RANK_HANG_S):
+        assert code == 2 and "config error: data.batch_size: -3 is invalid; use at least 1" in stderr, stderr
 
 
 def previous_layout(settings: dict) -> dict:
