@@ -1,3 +1,4 @@
+import json
 import re
 import shutil
 import socket
@@ -67,7 +68,8 @@ def test_the_fsdp_tests_follow_the_strategy_the_config_trains_with_in_any_layout
     layouts = {
         "parallel:\n  strategy: fsdp\n": "fsdp",
         "train:\n  strategy: fsdp\n": "fsdp",
-        "run:\n  name: a\n": "ddp",
+        "parallel:\n  strategy: ddp\n": "ddp",
+        "run:\n  name: a\n": config.Config().parallel.strategy,  # the project's answer
     }
     for text, strategy in layouts.items():
         (tmp_path / "default.yaml").write_text(text)
@@ -114,6 +116,23 @@ def test_sync_with_a_rule_that_fails_to_run_is_one_line_exit_2_and_the_file_unch
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("config error: model.depth_cap: its Rule raised NameError: ")
     assert path.read_bytes() == b"model:\n  depth_cap: 2  # mine\n"
+
+
+def test_the_dataclass_defaults_are_the_answers_this_project_was_made_with():
+    # every file a run reads starts from them: configs/smoke.yaml, the tests' run, names only what it changes
+    record = PROJECT / ".cookiecutter.json"
+    if not record.exists():
+        pytest.skip("no .cookiecutter.json: the answers this project was made with are not recorded")
+    answers = json.loads(record.read_text())["cookiecutter"]
+    made_with = {
+        "train.precision": answers["precision"],
+        "data.batch_size": int(answers["per_device_batch_size"]),
+        "train.compile": answers["compile"],
+        "dist.gpus_per_node": int(answers["gpus_per_node"]),
+        "dist.num_nodes": int(answers["num_nodes"]),
+    }
+    defaults = config.to_dict(config.Config())
+    assert {key: defaults[key.split(".")[0]][key.split(".")[1]] for key in made_with} == made_with
 
 
 def test_yaml_then_overrides():
@@ -401,6 +420,9 @@ def previous_layout(settings: dict) -> dict:
 @pytest.mark.usefixtures("process_settings")
 def test_a_checkpoint_of_the_previous_layout_resumes_with_a_note_and_no_setting_changed(tmp_path, capsys):
     overrides = [f"run.out_dir={tmp_path}", "run.tensorboard=false", "data.num_workers=0", "checkpoint.every_steps=4"]
+    overrides.append(
+        "checkpoint.format=full"
+    )  # one file to rewrite as the previous layout wrote it, whatever the strategy
     world_of_one = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
     assert train.run(config.load(SMOKE_CONFIG, [*overrides, "train.max_steps=4"]), world_of_one) == 0
     written = config.load(SMOKE_CONFIG, overrides).run_dir.checkpoint(4)

@@ -3,7 +3,7 @@
     python -m {{ cookiecutter.package_name }}.tools.launch [torchrun options] -m MODULE [arguments]
     python -m {{ cookiecutter.package_name }}.tools.launch free-port SEED    # a free port for this node's rendezvous
     python -m {{ cookiecutter.package_name }}.tools.launch preempted-exit-code   # 75, for scripts that requeue on it
-    python -m {{ cookiecutter.package_name }}.tools.launch check [torchrun options] -m MODULE [arguments]   # settings only
+    python -m {{ cookiecutter.package_name }}.tools.launch check -m MODULE [arguments]   # the settings only
 
 It checks the settings, plans the node, then runs torchrun and stays with it:
 - settings: for the training and the smoke check (`-m` this package's train or tools.smoke), the
