@@ -153,7 +153,8 @@ def settings_arguments(args: list[str]) -> tuple[list[str], list[str]] | None:
 
 def check_settings(args: list[str]) -> None:
     """Compose the workers' settings once, as each of them will: a ConfigError here is the one
-    every rank would raise. The checks that need a rank's own device stay the workers'."""
+    every rank would raise. The module's checks beyond composition (the rank's GPU, the strategy's
+    and the checkpoint format's torch floors, trackers installed) stay the workers'."""
     given = settings_arguments(args)
     if given is not None:
         from .. import config  # imports torch, as counting GPUs does next: after the stop handlers
