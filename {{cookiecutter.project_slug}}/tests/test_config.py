@@ -135,6 +135,13 @@ def test_the_dataclass_defaults_are_the_answers_this_project_was_made_with():
     assert {key: defaults[key.split(".")[0]][key.split(".")[1]] for key in made_with} == made_with
 
 
+def test_the_tests_run_in_fp32_without_compiling_whatever_the_answers():
+    # on a CPU: bf16 and fp16 are emulated, several times slower, and some models lack the kernels
+    # (oneDNN's bf16 LSTM on CPUs without bf16 units); a test about them names them
+    tests_run = config.load(SMOKE_CONFIG)
+    assert (tests_run.train.precision, tests_run.train.compile) == ("fp32", False)
+
+
 def test_yaml_then_overrides():
     cfg = config.load(SMOKE_CONFIG, ["optim.lr=3e-4", "data.num_workers=2", "train.max_steps=null", "run.name=x"])
     assert cfg.optim.lr == 3e-4 and cfg.data.num_workers == 2 and cfg.train.max_steps is None
