@@ -3,7 +3,9 @@
 1. put the chosen starter's files in place: starters/<task>/ mirrors the project, and each of
    its files replaces the one at the same path (the classifier's seam and tests by default),
 2. resolve the answers into config values (the only place this happens),
-3. write them into configs/default.yaml, keeping its comments,
+3. write them into configs/default.yaml, keeping its comments, and as the defaults of config.py's
+   dataclasses (but NOT_DATACLASS_DEFAULTS), so that every file a run reads starts from them
+   (configs/smoke.yaml, the tests' run, names only what it changes over them),
 4. remove the per-project files that were not chosen (one table),
 5. record the answers and the template commit in .cookiecutter.json,
 6. print a short summary.
@@ -88,6 +90,55 @@ def set_yaml_values(text: str, values: dict) -> str:
     if pending:
         raise KeyError(f"configs/default.yaml has no key {sorted(pending)[0]}")
     return "\n".join(lines) + "\n"
+
+
+# answers written into configs/default.yaml only: a file that does not name them (configs/smoke.yaml,
+# the tests' run) keeps the dataclass's value
+NOT_DATACLASS_DEFAULTS = {
+    "run.trackers",  # a file that names no tracker reports to none
+    # not yet: tests of the fast tier assume ddp and no accumulation without naming them (issue 51)
+    "parallel.strategy",
+    "train.grad_accum_steps",
+}
+
+
+def set_dataclass_defaults(source: str, values: dict) -> str:
+    """config.py's text with the default of each "section.key" of `values` (its section's class
+    found in `class Config`) replaced by the value, the field's comment kept."""
+    lines, blocks, current = source.splitlines(), {}, None
+    for index, line in enumerate(lines):  # class name -> the indices of its body's lines
+        top = re.match(r"^class (\w+)\b", line)
+        if top:
+            current = blocks.setdefault(top.group(1), [])
+        elif line and not line[0].isspace():
+            current = None
+        elif current is not None:
+            current.append(index)
+    sections = {}
+    for index in blocks.get("Config", []):
+        section = re.match(r"^    (\w+): (\w+) = field\(default_factory=\2\)", lines[index])
+        if section:
+            sections[section.group(1)] = section.group(2)
+    pending = dict(values)
+    for key, value in values.items():
+        section, name = key.split(".")
+        for index in blocks.get(sections.get(section), []):
+            entry = re.match(rf"^(    {name}: [^=]+= )(.+?)((?:  # .*)?)$", lines[index])
+            if entry:
+                lines[index] = entry.group(1) + _python_literal(value) + entry.group(3)
+                pending.pop(key)
+                break
+    if pending:
+        raise KeyError(f"config.py has no dataclass default for {sorted(pending)[0]}")
+    return "\n".join(lines) + "\n"
+
+
+def _python_literal(value) -> str:
+    if isinstance(value, bool | int):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # double quotes, as the project's style
+    raise TypeError(f"no dataclass default is written for {value!r}")
 
 
 def _yaml_scalar(value) -> str:
@@ -198,6 +249,9 @@ def main() -> int:
     settings, notes = resolve(answers)
     config_path = project / "configs" / "default.yaml"
     config_path.write_text(set_yaml_values(config_path.read_text(), settings))
+    module = project / "src" / answers["package_name"] / "config.py"
+    defaults = {key: value for key, value in settings.items() if key not in NOT_DATACLASS_DEFAULTS}
+    module.write_text(set_dataclass_defaults(module.read_text(), defaults))
     remove_unchosen(project, answers)
     (project / ANSWERS_FILE).write_text(answers_record(answers, template_commit(answers)))
     print(summary(answers, settings, notes))

@@ -5,6 +5,7 @@ import os
 import re
 import stat
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -190,6 +191,32 @@ SUPPORTED = [
 ]
 
 
+# the settings the hook writes from the answers into default.yaml and as dataclass defaults
+ANSWERED_SETTINGS = [
+    "data.batch_size",
+    "train.precision",
+    "train.compile",
+    "parallel.sync_batchnorm",
+    "optim.reference_batch_size",
+    "dist.gpus_per_node",
+    "dist.num_nodes",
+]
+
+
+def dataclass_defaults(config_py: Path) -> dict:
+    """{"section.key": default} of the settings whose dataclass default in config.py is a literal."""
+    classes = {node.name: node for node in ast.parse(config_py.read_text()).body if isinstance(node, ast.ClassDef)}
+    sections = {
+        item.target.id: item.annotation.id for item in classes["Config"].body if isinstance(item, ast.AnnAssign)
+    }
+    defaults = {}
+    for section, name in sections.items():
+        for item in classes[name].body if name in classes else []:  # model.py's and data.py's: not answers
+            if isinstance(item, ast.AnnAssign) and isinstance(item.value, ast.Constant):
+                defaults[f"{section}.{item.target.id}"] = item.value.value
+    return defaults
+
+
 def files_of(project):
     return {str(p.relative_to(project)) for p in project.rglob("*") if p.is_file()}
 
@@ -236,6 +263,10 @@ def test_supported_combination_bakes_clean(tmp_path, answers):
     assert config["dist"]["gpus_per_node"] == int(answers.get("gpus_per_node", "8"))
     tracker = answers.get("tracker", "tensorboard")
     assert config["run"]["trackers"] == ([] if tracker == "tensorboard" else [tracker])
+    # every file a run reads starts from the answers, the tests' configs/smoke.yaml too
+    defaults = dataclass_defaults(project / "src" / package / "config.py")
+    answered = {f"{name}.{key}": value for name, section in config.items() for key, value in section.items()}
+    assert {key: defaults[key] for key in ANSWERED_SETTINGS} == {key: answered[key] for key in ANSWERED_SETTINGS}
     dev_extra = re.search(r"^dev = \[(.*?)^\]", (project / "pyproject.toml").read_text(), re.S | re.M).group(1)
     assert {name for name in ("wandb", "mlflow") if f'"{name}>=' in dev_extra} == ({tracker} - {"tensorboard"})
     for script in (project / "scripts").glob("*.sh"):

@@ -126,6 +126,42 @@ def test_set_yaml_values_keeps_comments_and_columns():
     ]
 
 
+def test_set_dataclass_defaults_writes_the_answers_into_config_py_keeping_comments():
+    package = TEMPLATE / "{{cookiecutter.project_slug}}" / "src" / "{{cookiecutter.package_name}}"
+    text = jinja2.Template((package / "config.py").read_text(), keep_trailing_newline=True).render(
+        cookiecutter=DEFAULTS
+    )
+    values = {
+        "train.precision": "fp32",
+        "parallel.strategy": "fsdp",
+        "train.grad_accum_steps": 4,
+        "train.compile": True,
+    }
+    new = post.set_dataclass_defaults(text, values)
+    changed = [(old, line) for old, line in zip(text.splitlines(), new.splitlines(), strict=True) if old != line]
+    assert [line for _, line in changed] == [
+        "    grad_accum_steps: PositiveInt = 4  # micro-batches per optimizer step; only the last all-reduces",
+        '    precision: Precision = "fp32"  # bf16 | fp16 (with GradScaler) | fp32',
+        "    compile: bool = True  # torch.compile the model before wrapping it in DDP",
+        '    strategy: Strategy = "fsdp"  # ddp: the whole model on every device; fsdp: sharded over them (torch>=2.8)',
+    ]
+    with pytest.raises(KeyError, match="train.nope"):
+        post.set_dataclass_defaults(text, {"train.nope": 1})
+
+
+def test_the_answers_that_are_dataclass_defaults():
+    settings, _ = post.resolve(answers())
+    assert set(settings) - post.NOT_DATACLASS_DEFAULTS == {
+        "data.batch_size",
+        "train.precision",
+        "train.compile",
+        "parallel.sync_batchnorm",
+        "optim.reference_batch_size",
+        "dist.gpus_per_node",
+        "dist.num_nodes",
+    }
+
+
 def test_set_yaml_values_rejects_unknown_keys():
     with pytest.raises(KeyError, match="train.nope"):
         post.set_yaml_values("train:\n  lr: 1  # x\n", {"train.nope": 1})

@@ -186,6 +186,13 @@ def test_the_image_runs_the_node_launcher_as_pid_1_on_a_torch_the_project_suppor
     assert base.startswith("pytorch/pytorch:") and torch_version >= (2, 4)  # pyproject: torch>=2.4
 
 
+def test_a_config_mistake_ends_the_images_entry_with_one_line_and_exit_2():
+    command = [sys.executable, *entry_command()[1:], "optim.lrr=1"]  # the manifests' `args` after the image's
+    result = subprocess.run(command, cwd=PROJECT, env=project_env(), capture_output=True, text=True, timeout=120)
+    typo = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
+    assert (result.returncode, result.stderr.splitlines()) == (2, [typo])
+
+
 # ---- drills: two "pods" on loopback, each the image's entry command under the operator's environment
 
 

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROJECT, project_env
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env
 
 from {{ cookiecutter.package_name }}.base import cpus, preemption
+from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.tools import launch
 from {{ cookiecutter.package_name }}.tools.launch import LaunchError
 
@@ -181,29 +182,71 @@ def test_a_process_handles_a_signal_only_once_it_installed_a_handler():
         child.wait()
 
 
-def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_runs_and_says_so():
-    # the slow part of a start is importing torch to count GPUs; PID 1 of a container ignores
-    # signals it has no handler for, so the handler is there before that import
+# Stands in for torch: says it is being imported, then never finishes, so the launcher stays in
+# the slow part of its start for as long as the test needs.
+STUCK_TORCH = """
+import os, pathlib, time
+pathlib.Path(os.environ["TORCH_IMPORT_STARTED"]).touch()
+time.sleep(600)
+"""
+HANG_S = 120  # a hang's bound, not a speed check: the launcher reached torch's import in 0.1-0.6 s (2 busy cores)
+
+
+def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_runs_and_says_so(tmp_path):
+    # the slow part of a start is importing torch (the settings' check, counting GPUs); PID 1 of a
+    # container ignores signals it has no handler for, so the handler is there before that import.
+    # The import is held for as long as the test needs: the stop lands in it, whatever the load.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(STUCK_TORCH)
+    started = tmp_path / "torch-import-started"
+    env = project_env(CUDA_VISIBLE_DEVICES="", TORCH_IMPORT_STARTED=str(started))
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])  # before the real torch
     launcher = subprocess.Popen(  # the script execs the launcher: the same process
         ["bash", "scripts/train.sh", "--config", "configs/smoke.yaml"],
         cwd=PROJECT,
-        env=project_env(CUDA_VISIBLE_DEVICES=""),
+        env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 10
-        while not preemption.handles(launcher.pid, signal.SIGTERM):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        deadline = time.monotonic() + HANG_S
+        while not started.exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.01)
+        assert preemption.handles(launcher.pid, signal.SIGTERM)  # installed before torch's import began
         launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=20) == preemption.PREEMPTED_EXIT_CODE
+        assert launcher.wait(timeout=HANG_S) == preemption.PREEMPTED_EXIT_CODE
         said = launcher.stderr.read()
         assert said.splitlines() == [
             "launch: SIGTERM before training started: nothing ran, nothing to save; exit 75 (requeue or rerun to start)"
         ]
     finally:
         launcher.kill()
+        launcher.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--standalone", "-m", f"{PACKAGE}.train", "--config", "a.yaml", "x.y=1", "--config=b.yaml"],
+            (["a.yaml", "b.yaml"], ["x.y=1"]),
+        ),
+        (["-m", f"{PACKAGE}.tools.smoke", "optim.lr=-1"], ([], ["optim.lr=-1"])),
+        (["-m", f"{PACKAGE}.train", "--help"], None),  # another option: the module's own parser answers
+        (["-m", f"{PACKAGE}.train", "--config"], None),
+        (["-m", f"{PACKAGE}.tools.diagnose", "doctor"], None),  # a module of other arguments
+        (["--standalone", "script.py", "x.y=1"], None),
+    ],
+)
+def test_the_launcher_checks_the_settings_of_the_modules_that_read_them_only(args, expected):
+    assert launch.settings_arguments(args) == expected
+
+
+def test_the_launcher_checks_the_settings_the_workers_read_and_leaves_the_rest_to_them():
+    with pytest.raises(ConfigError, match="optim.lrr: unknown key"):
+        launch.check_settings(["--standalone", "-m", f"{PACKAGE}.train", "--config", SMOKE_CONFIG, "optim.lrr=1"])
+    launch.check_settings(["--standalone", "-m", f"{PACKAGE}.train", "--config", SMOKE_CONFIG, "--help"])
 
 
 def test_finished_children_are_collected_except_the_one_kept():

@@ -91,6 +91,27 @@ def test_scripts_resolve_a_relative_config_and_out_dir_where_they_are_run(tmp_pa
     assert (tmp_path / "here" / "smoke" / "metrics.jsonl").exists()
 
 
+TYPO = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
+
+
+@pytest.mark.parametrize(
+    ("script", "env"),
+    [
+        ("train.sh", {}),
+        ("smoke.sh", {}),
+        ("train_multinode.sh", {"NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}),
+    ],
+)
+def test_a_config_mistake_is_one_line_and_exit_2_from_every_launcher_before_any_worker_starts(script, env):
+    # the node launcher composes the settings once: not one line per rank and torchrun's report of them
+    result = run(
+        ["bash", f"scripts/{script}", "--config", SMOKE_CONFIG, "optim.lrr=1"],
+        env=project_env(CUDA_VISIBLE_DEVICES="", **env),
+        check=False,
+    )
+    assert (result.returncode, result.stderr.splitlines()) == (2, [TYPO])
+
+
 def multinode_env(tmp_path, **extra):
     return project_env(NNODES="2", NPROC_PER_NODE="1", CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo", **extra)
 

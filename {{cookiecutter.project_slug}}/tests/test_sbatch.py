@@ -22,6 +22,9 @@ from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, descendants, newest_checkpo
 from {{ cookiecutter.package_name }}.tools import launch
 
 SBATCH = PROJECT / "scripts" / "train.sbatch"
+# a hang's bound, not a speed check: before srun the script runs three Pythons, one of which imports
+# torch to check the settings (2-4 s on quiet cores, 15-30 s at load 10-13)
+SCRIPT_HANG_S = 180
 
 SRUN = """#!python
 import os, signal, subprocess, sys, time
@@ -126,7 +129,7 @@ def scontrol_calls(tmp_path) -> str:
 
 
 def test_sbatch_builds_the_launch_command(tmp_path):
-    run(["bash", str(SBATCH), "optim.lr=3e-4"], env=slurm(tmp_path, STUB_EXIT="0"), timeout=60)
+    run(["bash", str(SBATCH), "optim.lr=3e-4"], env=slurm(tmp_path, STUB_EXIT="0"), timeout=SCRIPT_HANG_S)
     args = srun_args(tmp_path)
     assert args[0] == "--kill-on-bad-exit=1" and "--ntasks-per-node=1" in args
     assert "--cpus-per-task=64" in args  # srun does not inherit it from sbatch (Slurm >= 22.05)
@@ -140,6 +143,15 @@ def test_sbatch_builds_the_launch_command(tmp_path):
     assert args[-3:] == ["run.name=slurm-4242", "checkpoint.resume=auto", "optim.lr=3e-4"]
 
 
+def test_a_config_mistake_stops_the_batch_script_with_one_line_and_exit_2_before_any_node_starts(tmp_path):
+    result = run(
+        ["bash", str(SBATCH), "optim.lrr=1"], env=slurm(tmp_path, STUB_EXIT="0"), timeout=SCRIPT_HANG_S, check=False
+    )
+    typo = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
+    assert (result.returncode, result.stderr.splitlines()) == (2, [typo])
+    assert not (tmp_path / "srun.args").exists()  # srun never ran: one line, not one per node
+
+
 def test_sbatch_asks_for_cpus_and_warns_only_its_batch_shell():
     directives = [line.split()[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
     cpus = next(d for d in directives if d.startswith("--cpus-per-task="))
@@ -150,13 +162,13 @@ def test_sbatch_asks_for_cpus_and_warns_only_its_batch_shell():
 
 
 def test_sbatch_requeues_on_the_preemption_exit_code(tmp_path):
-    result = run(["bash", str(SBATCH)], env=slurm(tmp_path, STUB_EXIT="75"), timeout=60)
+    result = run(["bash", str(SBATCH)], env=slurm(tmp_path, STUB_EXIT="75"), timeout=SCRIPT_HANG_S)
     assert result.returncode == 0
     assert "requeue 4242" in scontrol_calls(tmp_path)
 
 
 def test_sbatch_passes_a_failure_through_without_requeueing(tmp_path):
-    result = run(["bash", str(SBATCH)], env=slurm(tmp_path, STUB_EXIT="1"), timeout=60, check=False)
+    result = run(["bash", str(SBATCH)], env=slurm(tmp_path, STUB_EXIT="1"), timeout=SCRIPT_HANG_S, check=False)
     assert result.returncode == 1
     assert "requeue" not in scontrol_calls(tmp_path)
 

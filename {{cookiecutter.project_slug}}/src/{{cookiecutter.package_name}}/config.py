@@ -8,8 +8,9 @@ reads them: `ModelConfig` in model.py and `DatasetConfig` in data.py.
 Files compose: `--config configs/default.yaml --config experiments/big.yaml optim.lr=3e-4` applies
 each file over the ones before it, then the overrides; a file names only what it changes. A file
 that starts with `extends: <file>` (a path from its own folder) is read over that file first, so
-`--config experiments/big.yaml` alone builds on configs/default.yaml when it says so. A run
-records the files and overrides it was built from (runs/<name>/config.yaml's header, start-up).
+`--config experiments/big.yaml` alone builds on configs/default.yaml when it says so. Each file is
+read once, where it first comes: a base read already is not read again over the files after it.
+A run records the files and overrides it was built from (runs/<name>/config.yaml's header, start-up).
 
     python -m {{ cookiecutter.package_name }}.config sync configs/default.yaml   # rewrite it from the dataclasses
 """
@@ -243,19 +244,41 @@ RENAMED = {
 
 @dataclass(frozen=True)
 class Sources:
-    """What a config was built from: files in the order applied, overrides, and renamed keys read."""
+    """What a config was built from: files in the order applied (each once), overrides, the renamed
+    keys read (their old names) and, for each, where it was read: a file, or an override as typed."""
 
     files: tuple[str, ...] = ()
     overrides: tuple[str, ...] = ()
     renamed: tuple[str, ...] = ()
+    renamed_in: tuple[str, ...] = ()  # beside `renamed`: the file or the override that named each
 
     def describe(self) -> str:
         parts = [*self.files, *self.overrides] or ["the dataclass defaults"]
         return "settings: " + " < ".join(parts)
 
     def renamed_note(self) -> str | None:
-        fix = f"`python -m {__package__}.config sync FILE` rewrites a file with the new names"
-        return renamed_note(self.renamed, "the config", fix)
+        """A line for the renamed keys the files named, one for the command line's, or None."""
+        where = self.renamed_in or ("",) * len(self.renamed)  # not told where: the files
+        typed = [item for item in where if item in self.overrides]
+        in_files = [old for old, item in zip(self.renamed, where, strict=True) if item not in self.overrides]
+        paths = list(dict.fromkeys(item for item in where if item and item not in self.overrides))
+        one = paths[0] if len(paths) == 1 else None
+        sync = f"`python -m {__package__}.config sync {one or 'FILE'}` rewrites {'it' if one else 'a file'}"
+        notes = [
+            renamed_note(in_files, one or "the config", f"{sync} with the new names"),
+            renamed_note(
+                [parse_override(item)[0] for item in typed],
+                "the command line",
+                f"type {' '.join(with_new_name(item) for item in typed)} instead",
+            ),
+        ]
+        return "\n".join(note for note in notes if note) or None
+
+
+def with_new_name(override: str) -> str:
+    """An override of a renamed key, as typed under its new name."""
+    key, _, value = override.partition("=")
+    return f"{RENAMED.get(key.strip(), key.strip())}={value}"
 
 
 def renamed_note(renamed, where: str, fix: str) -> str | None:
@@ -272,17 +295,30 @@ def load(paths: str | Path | typing.Sequence | None = None, overrides: typing.Se
 
 
 def compose(paths: str | Path | typing.Sequence | None, overrides: typing.Sequence[str] = ()) -> tuple[Config, Sources]:
-    """`load`, and what the config was built from."""
+    """`load`, and what the config was built from. Each file is read once, where it first comes:
+    a base that an `extends` names and that was read already (given before, or the base of a file
+    before) is not read again over the files after it. Each file and each override is checked on
+    its own, so an error names the file or the override it came from."""
     files = [paths] if isinstance(paths, (str, Path)) else list(paths or [])
-    tree, read, renamed = {}, [], []
+    tree, read, renamed, renamed_in, applied = {}, [], [], [], set()
     for path in files:
         for layer_path, layer in layers(Path(path)):
-            layer, old = upgrade(layer)
+            if layer_path.resolve() in applied:
+                continue
+            applied.add(layer_path.resolve())
+            try:
+                layer, old = upgrade(layer)
+                typed_config.check_tree(Config, layer)
+            except ConfigError as err:
+                raise typed_config.located(err, f"in {layer_path}", str(layer_path)) from None
             merge(tree, layer)
             read.append(str(layer_path))
             renamed += old
-    cfg = with_overrides(tree, overrides, renamed)
-    return cfg, Sources(tuple(read), tuple(overrides), tuple(renamed))
+            renamed_in += [str(layer_path)] * len(old)
+    typed: list[str] = []
+    cfg = with_overrides(tree, overrides, typed)
+    renamed += [parse_override(item)[0] for item in typed]
+    return cfg, Sources(tuple(read), tuple(overrides), tuple(renamed), (*renamed_in, *typed))
 
 
 def upgrade(tree: dict) -> tuple[dict, list[str]]:
@@ -292,15 +328,26 @@ def upgrade(tree: dict) -> tuple[dict, list[str]]:
 
 
 def with_overrides(tree: dict, overrides: typing.Sequence[str] = (), renamed: list | None = None) -> Config:
-    """A validated Config from a settings tree (files', a checkpoint's) and `a.b=value` overrides;
-    an override of a renamed key sets its new name (and is listed in `renamed`)."""
+    """A validated Config from a settings tree (files', a checkpoint's) and `a.b=value` overrides,
+    each checked on its own; an override of a renamed key sets its new name (and is listed in
+    `renamed`, as typed). One setting named under both its names is an error, as in a file."""
+    named: dict[str, str] = {}  # the setting -> the override that set it
     for item in overrides:
         key, value = parse_override(item)
-        if key in RENAMED:
-            key = RENAMED[key]
-            if renamed is not None:
-                renamed.append(item.partition("=")[0].strip())
-        set_path(tree, key, value)
+        setting = RENAMED.get(key, key)
+        earlier = named.get(setting)
+        if earlier is not None and parse_override(earlier)[0] != key:
+            raise ConfigError(f"{earlier} and {item} on the command line name one setting: keep one, as {setting}=...")
+        named[setting] = item
+        alone: dict = {}
+        try:
+            set_path(alone, setting, value)
+            typed_config.check_tree(Config, alone)
+        except ConfigError as err:
+            raise typed_config.located(err, f"from the command line's {item}") from None
+        if setting != key and renamed is not None:
+            renamed.append(item)
+        set_path(tree, setting, value)
     return from_dict(tree)
 
 

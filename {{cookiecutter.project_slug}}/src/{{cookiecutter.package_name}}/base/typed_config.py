@@ -6,6 +6,7 @@ YAML with each field's comment. config.py holds the project's own settings and u
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 import re
@@ -21,20 +22,71 @@ from .rules import ConfigError, Rule
 PACKAGE = __name__.split(".")[0]  # the project's package, whose config module rewrites files (sync)
 EXTENDS = "extends"  # a config file's first key: the file it is read over
 COMMENT_COLUMN = 24
+ELSEWHERE_CUTOFF = 0.8  # a key of another section is suggested only when nearly the same
 
 
 def build(root: type, tree: dict):
     """A validated `root` (a dataclass of section dataclasses) from a tree of sections."""
-    sections = {}
-    for name, cls in typing.get_type_hints(root).items():
-        values = tree.get(name) or {}
-        if not isinstance(values, dict):
+    try:
+        checked = check_tree(root, tree)
+    except UnknownSetting as err:  # the caller did not say which file: the general fix
+        raise located(err, None, "<your config file>") from None
+    return root(**{name: cls(**checked.get(name, {})) for name, cls in typing.get_type_hints(root).items()})
+
+
+class UnknownSetting(ConfigError):
+    """A section or key that the dataclasses do not have; `owner`: the dataclass that lacks the key."""
+
+    def __init__(self, message: str, owner: str | None = None):
+        super().__init__(message)
+        self.owner = owner
+
+
+def located(err: ConfigError, source: str | None, path: str | None = None) -> ConfigError:
+    """`err` saying where its setting came from (`source`: "in FILE", "from the command line's
+    a.b=c"); an unknown key read from a file also gets the fix for a dataclass that changed."""
+    said = [source] if source else []
+    if isinstance(err, UnknownSetting) and err.owner and path:
+        said.append(f"if {err.owner} changed, `python -m {PACKAGE}.config sync {path}` drops its old keys")
+    return ConfigError(f"{err} ({'; '.join(said)})" if said else str(err))
+
+
+def check_tree(root: type, tree: dict) -> dict:
+    """`tree` (one file's sections, or one override's) with each value as its setting's type reads
+    it (3 for a float is 3.0); ConfigError naming the first section, key or value that `root` does
+    not take, and for a misspelt name the closest known one."""
+    sections = typing.get_type_hints(root)
+    checked = {}
+    for name, values in tree.items():
+        if name not in sections:
+            near = difflib.get_close_matches(name, sections, 1)
+            hint = f"did you mean {near[0]}?" if near else f"known: {', '.join(sections)}"
+            raise UnknownSetting(f"{name}: unknown section; {hint}")
+        if not isinstance(values, dict | None):
             raise ConfigError(f"{name}: expected a mapping of keys, got {values!r}")
-        sections[name] = build_section(name, cls, values)
-    unknown = set(tree) - set(sections)
-    if unknown:
-        raise ConfigError(f"{sorted(unknown)[0]}: unknown section; known: {', '.join(sections)}")
-    return root(**sections)
+        checked[name] = check_section(name, sections[name], values or {}, sections)
+    return checked
+
+
+def check_section(name: str, cls: type, values: dict, sections: dict) -> dict:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in known:
+            raise UnknownSetting(f"{name}.{key}: unknown key; {closest_key(name, key, known, sections)}", cls.__name__)
+    return {key: check_type(f"{name}.{key}", value, hints[key]) for key, value in values.items()}
+
+
+def closest_key(name: str, key: str, known: list[str], sections: dict) -> str:
+    """ "did you mean section.key?" for the known key closest to a misspelt one (difflib's ratio),
+    in its own section, else nearly the same key in another section (a key under the wrong one);
+    else the section's keys."""
+    near = difflib.get_close_matches(key, known, 1)
+    if near:
+        return f"did you mean {name}.{near[0]}?"
+    elsewhere = {f.name: f"{other}.{f.name}" for other, kind in sections.items() for f in dataclasses.fields(kind)}
+    near = difflib.get_close_matches(key, elsewhere, 1, ELSEWHERE_CUTOFF)
+    return f"did you mean {elsewhere[near[0]]}?" if near else f"known keys: {', '.join(sorted(known))}"
 
 
 def upgrade(tree: dict, renamed: dict[str, str], sections) -> tuple[dict, list[str]]:
@@ -83,7 +135,13 @@ def layers(path: Path, extending: tuple[Path, ...] = ()) -> list[tuple[Path, dic
         return [(path, tree)]
     if not isinstance(base, str):
         raise ConfigError(f"config file {path}: `{EXTENDS}: {base!r}` must name one YAML file from {path.parent}")
-    return [*layers(Path(os.path.normpath(path.parent / base)), (*extending, path.resolve())), (path, tree)]
+    target = Path(os.path.normpath(path.parent / base))
+    if not target.is_file():  # the file given exists: it is the one to fix
+        raise ConfigError(
+            f"config file {path}: its `{EXTENDS}: {base}` names {target}, which is "
+            f"{'not a file' if target.exists() else 'missing'}; fix the path there (it is read from {path.parent})"
+        )
+    return [*layers(target, (*extending, path.resolve())), (path, tree)]
 
 
 def load_tree(path: str | Path) -> dict:
@@ -102,7 +160,9 @@ def load_tree(path: str | Path) -> dict:
 def merge(tree: dict, layer: dict) -> None:
     """Apply `layer`'s sections over `tree`'s, key by key."""
     for name, values in layer.items():
-        if isinstance(values, dict) and isinstance(tree.get(name), dict):
+        if values is None:  # a section named with nothing under it changes nothing
+            tree.setdefault(name, {})
+        elif isinstance(values, dict) and isinstance(tree.get(name), dict):
             tree[name].update(values)
         else:
             tree[name] = dict(values) if isinstance(values, dict) else values
@@ -126,18 +186,6 @@ def set_path(tree: dict, key: str, value: object) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: {part} is not a section")
     node[leaf] = value
-
-
-def build_section(name: str, cls: type, values: dict):
-    hints = typing.get_type_hints(cls, include_extras=True)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in known:
-            raise ConfigError(
-                f"{name}.{key}: unknown key; known keys: {', '.join(sorted(known))}: fix its spelling, or, if "
-                f"{cls.__name__} changed, `python -m {PACKAGE}.config sync <your config file>` drops its old keys"
-            )
-    return cls(**{key: check_type(f"{name}.{key}", value, hints[key]) for key, value in values.items()})
 
 
 def check_type(key: str, value, expected):

@@ -3,8 +3,13 @@
     python -m {{ cookiecutter.package_name }}.tools.launch [torchrun options] -m MODULE [arguments]
     python -m {{ cookiecutter.package_name }}.tools.launch free-port SEED    # a free port for this node's rendezvous
     python -m {{ cookiecutter.package_name }}.tools.launch preempted-exit-code   # 75, for scripts that requeue on it
+    python -m {{ cookiecutter.package_name }}.tools.launch check -m MODULE [arguments]   # the settings only
 
-It plans the node, then runs torchrun and stays with it:
+It checks the settings, plans the node, then runs torchrun and stays with it:
+- settings: for the training and the smoke check (`-m` this package's train or tools.smoke), the
+  --config files and overrides are composed once here, as every worker will compose them: a
+  mistake in them is one line and exit 2 before any worker starts, instead of one line per rank
+  and torchrun's report of the failed workers;
 - processes: NPROC_PER_NODE (or a TrainJob's PET_NPROC_PER_NODE), by default one per GPU that
   CUDA shows this process (which honours CUDA_VISIBLE_DEVICES, MIG and cgroups, unlike
   `nvidia-smi -L`), 2 on a CPU-only machine; never more processes than GPUs;
@@ -22,7 +27,8 @@ It plans the node, then runs torchrun and stays with it:
   when they did so on a Ctrl-C (the user's stop: nothing should requeue it); otherwise
   torchrun's;
 - a static rendezvous (--master-addr) without --master-port uses DEFAULT_MASTER_PORT.
-Nothing here imports torch until it counts GPUs, so `free-port` answers at once.
+Nothing here imports torch until it checks the settings (config.py imports the model's and the
+data's settings), so `free-port` answers at once.
 """
 
 from __future__ import annotations
@@ -42,11 +48,15 @@ from pathlib import Path
 from ..base.cpus import positive_int, threads_per_rank, usable_cpus
 from ..base.preemption import MARKER_ENV, PREEMPTED_EXIT_CODE, STOP_SIGNALS, WORKER_STOP_SIGNAL, exit_status, handles
 from ..base.rendezvous import FRESH_STORE_ENV
+from ..base.rules import ConfigError, tell_user
 
 DEFAULT_MASTER_PORT = 29622  # a static rendezvous's default: away from the crowded 29500
 RESEND_SECONDS = 1.0  # how often workers that torchrun (re)starts after a stop request are looked for
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CPU_PROCESSES = 2  # without GPUs the scripts still run DDP, on gloo
+PACKAGE = __package__.split(".")[0]  # not __name__: run as `python -m`, that is __main__
+# the entry points whose whole command line is `--config FILE ...` and `section.key=value ...`
+SETTINGS_MODULES = (f"{PACKAGE}.train", f"{PACKAGE}.tools.smoke")
 
 
 class LaunchError(Exception):
@@ -115,6 +125,41 @@ def prepare(args: list[str], environ: Mapping[str, str], gpus: int, affinity: in
     if note:
         print(f"launch: {note}", file=sys.stderr, flush=True)
     return torchrun_command(args, processes), env
+
+
+def settings_arguments(args: list[str]) -> tuple[list[str], list[str]] | None:
+    """(--config files, overrides) that the workers' module will read from `args` (torchrun's
+    options, `-m MODULE`, the module's arguments), or None where the module is not one of
+    SETTINGS_MODULES or its arguments hold another option (--help, say): its own parser answers."""
+    if "-m" not in args or args.index("-m") + 1 >= len(args):
+        return None
+    module, rest = args[args.index("-m") + 1], iter(args[args.index("-m") + 2 :])
+    if module not in SETTINGS_MODULES:
+        return None
+    files, overrides = [], []
+    for arg in rest:
+        if arg == "--config":
+            files.append(next(rest, "-"))
+            if files[-1].startswith("-"):  # no file after it: argparse's usage line says so
+                return None
+        elif arg.startswith("--config="):
+            files.append(arg.partition("=")[2])
+        elif arg.startswith("-"):
+            return None
+        else:
+            overrides.append(arg)
+    return files, overrides
+
+
+def check_settings(args: list[str]) -> None:
+    """Compose the workers' settings once, as each of them will: a ConfigError here is the one
+    every rank would raise. The module's checks beyond composition (the rank's GPU, the strategy's
+    and the checkpoint format's torch floors, trackers installed) stay the workers'."""
+    given = settings_arguments(args)
+    if given is not None:
+        from .. import config  # imports torch, as counting GPUs does next: after the stop handlers
+
+        config.compose(config.files(given[0]), given[1])
 
 
 def children(pid: int) -> list[int]:
@@ -256,9 +301,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for sig in STOP_SIGNALS:  # before the slow imports: PID 1 of a container drops unhandled signals
             signal.signal(sig, stop_before_start)
+        if args[:1] == ["check"]:  # a batch script's one check before it starts the nodes' launchers
+            check_settings(args[1:])
+            return 0
+        check_settings(args)
         from ..base.hardware import visible_gpus
 
         command, env = prepare(args, os.environ, visible_gpus(), usable_cpus())
+    except ConfigError as err:
+        return tell_user(err)
     except LaunchError as err:
         print(f"launch error: {err}", file=sys.stderr, flush=True)
         return 2
