@@ -246,6 +246,9 @@ def test_the_launcher_checks_the_settings_of_the_modules_that_read_them_only(arg
 def test_the_launcher_checks_the_settings_the_workers_read_and_leaves_the_rest_to_them():
     with pytest.raises(ConfigError, match="optim.lrr: unknown key"):
         launch.check_settings(["--standalone", "-m", f"{PACKAGE}.train", "--config", SMOKE_CONFIG, "optim.lrr=1"])
+    for module in (f"{PACKAGE}.train", f"{PACKAGE}.tools.smoke"):  # the settings checked as the workers check them
+        with pytest.raises(ConfigError, match="fp16 under parallel.strategy=fsdp"):
+            launch.check_settings(["-m", module, "parallel.strategy=fsdp", "train.precision=fp16"])
     launch.check_settings(["--standalone", "-m", f"{PACKAGE}.train", "--config", SMOKE_CONFIG, "--help"])
 
 

@@ -92,6 +92,10 @@ def test_scripts_resolve_a_relative_config_and_out_dir_where_they_are_run(tmp_pa
 
 
 TYPO = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
+FP16_UNDER_FSDP = (
+    "config error: train.precision: fp16 under parallel.strategy=fsdp would let each rank skip its own overflowing "
+    "steps (GradScaler sees only its shard): use bf16 (or fp32), or parallel.strategy=ddp"
+)
 
 
 @pytest.mark.parametrize(
@@ -102,14 +106,21 @@ TYPO = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the c
         ("train_multinode.sh", {"NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1"}),
     ],
 )
-def test_a_config_mistake_is_one_line_and_exit_2_from_every_launcher_before_any_worker_starts(script, env):
-    # the node launcher composes the settings once: not one line per rank and torchrun's report of them
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [(["optim.lrr=1"], TYPO), (["parallel.strategy=fsdp", "train.precision=fp16"], FP16_UNDER_FSDP)],
+    ids=["composition", "a check of the settings"],
+)
+def test_a_config_mistake_is_one_line_and_exit_2_from_every_launcher_before_any_worker_starts(
+    script, env, overrides, line
+):
+    # the node launcher builds and checks the settings once: not one line per rank and torchrun's report of them
     result = run(
-        ["bash", f"scripts/{script}", "--config", SMOKE_CONFIG, "optim.lrr=1"],
+        ["bash", f"scripts/{script}", "--config", SMOKE_CONFIG, *overrides],
         env=project_env(CUDA_VISIBLE_DEVICES="", **env),
         check=False,
     )
-    assert (result.returncode, result.stderr.splitlines()) == (2, [TYPO])
+    assert (result.returncode, result.stderr.splitlines()) == (2, [line])
 
 
 def multinode_env(tmp_path, **extra):

@@ -103,7 +103,12 @@ def saved_by_forward(model, batch, parameters) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16 weights and autocast"])
-def test_the_activation_estimate_on_fake_tensors_is_what_a_real_forward_saves_with_and_without_checkpointing(dtype):
+def test_the_activation_estimate_on_fake_tensors_is_what_a_real_forward_saves_with_and_without_checkpointing(
+    dtype, monkeypatch
+):
+    # the estimator, held on a model of plain torch operations: a kernel of the project's model may save
+    # what fake tensors cannot see (a CPU LSTM's workspace), which makes the estimate low, not the model wrong
+    stand_ins.install("keyword", monkeypatch)
     precision = "fp32" if dtype == torch.float32 else "bf16"
     cfg = config.load(SMOKE_CONFIG, [f"train.precision={precision}"])
     batch = task.to_device(first_batch(cfg), torch.device("cpu"))
@@ -121,9 +126,6 @@ def test_the_activation_estimate_on_fake_tensors_is_what_a_real_forward_saves_wi
         parameters = {p.untyped_storage()._cdata for p in model.parameters()}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             measured = saved_by_forward(model, batch, parameters)
-        # equal for plain torch models in fp32 (the language model's in bf16 too); fake tensors follow
-        # torch's shape rules, which differ from a CPU kernel's in places (BatchNorm's saved statistics
-        # under bf16), and a transformers model builds an explicit attention mask on them
         assert estimate.kept_bytes(parallel.recomputed(units, mode)) == pytest.approx(measured, rel=0.1), mode
     assert estimate.activation_bytes([]) == estimate.kept_bytes([])  # nothing recomputed: the forward's end is the peak
 
@@ -208,8 +210,8 @@ class DetectorLikeTask(stand_ins.KeywordTask):
 
 
 def test_diagnose_calls_loss_sum_in_train_mode_on_a_model_that_returns_its_losses_only_there(monkeypatch, capsys):
-    monkeypatch.setitem(stand_ins.STAND_INS, "detector", DetectorLikeTask)
-    stand_ins.install("detector", monkeypatch)
+    monkeypatch.setitem(stand_ins.STAND_INS, "detector_like", DetectorLikeTask)
+    stand_ins.install("detector_like", monkeypatch)
     assert diagnose.main(["unused", "--config", SMOKE_CONFIG]) == 0
     assert capsys.readouterr().out.startswith("every parameter gets a gradient")
     assert diagnose.main(["memory", "--config", SMOKE_CONFIG]) == 0

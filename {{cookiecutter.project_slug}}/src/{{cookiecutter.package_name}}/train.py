@@ -59,12 +59,8 @@ def main(argv=None) -> int:
     info = DistInfo.from_env()
     with exit_on_user_error():  # before any collective: every rank finds the same problem
         cfg, sources = config.compose(config.files(args.config), args.overrides)
-        check_hardware(cfg, info)
-        optim.check(cfg)
-        parallel.check(cfg, info.device)
-        checkpoint.check(config.to_dict(cfg))
-        tensorboard.check(cfg.run.tensorboard)
-        tracking.check(cfg.run.trackers)
+        dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
+        check_settings(cfg, info.device)
     info = parallel.with_backend(cfg, info)
     trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
     for line in (sources.describe(), sources.renamed_note()):
@@ -77,6 +73,19 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def check_settings(cfg: Config, device: torch.device) -> None:
+    """The settings against each other, this torch and this kind of device: a ConfigError, before any
+    collective. Every rank checks on its own device; the node launcher once, before the workers start."""
+    problem = hardware.precision_problem(cfg.train.precision, device)
+    if problem:
+        raise ConfigError(problem)
+    optim.check(cfg)
+    parallel.check(cfg, device)
+    checkpoint.check(config.to_dict(cfg))
+    tensorboard.check(cfg.run.tensorboard)
+    tracking.check(cfg.run.trackers)
 
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:

@@ -7,9 +7,9 @@
 
 It checks the settings, plans the node, then runs torchrun and stays with it:
 - settings: for the training and the smoke check (`-m` this package's train or tools.smoke), the
-  --config files and overrides are composed once here, as every worker will compose them: a
-  mistake in them is one line and exit 2 before any worker starts, instead of one line per rank
-  and torchrun's report of the failed workers;
+  --config files and overrides are composed and checked once here (train.check_settings, on this
+  node's kind of device), as every worker will: a mistake in them is one line and exit 2 before
+  any worker starts, instead of one line per rank and torchrun's report of the failed workers;
 - processes: NPROC_PER_NODE (or a TrainJob's PET_NPROC_PER_NODE), by default one per GPU that
   CUDA shows this process (which honours CUDA_VISIBLE_DEVICES, MIG and cgroups, unlike
   `nvidia-smi -L`), 2 on a CPU-only machine; never more processes than GPUs;
@@ -152,14 +152,22 @@ def settings_arguments(args: list[str]) -> tuple[list[str], list[str]] | None:
 
 
 def check_settings(args: list[str]) -> None:
-    """Compose the workers' settings once, as each of them will: a ConfigError here is the one
-    every rank would raise. The module's checks beyond composition (the rank's GPU, the strategy's
-    and the checkpoint format's torch floors, trackers installed) stay the workers'."""
+    """Build and check the workers' settings once, as each of them will (train.check_settings, on
+    this node's kind of device): a ConfigError here is the one every rank would raise. Each worker
+    checks again on its own GPU."""
     given = settings_arguments(args)
-    if given is not None:
-        from .. import config  # imports torch, as counting GPUs does next: after the stop handlers
+    if given is None:
+        return
+    import torch  # as counting GPUs does next: after the stop handlers
 
-        config.compose(config.files(given[0]), given[1])
+    from .. import config, train
+    from ..base.hardware import visible_gpus
+    from . import smoke
+
+    files, overrides = config.files(given[0]), given[1]
+    smoke_check = args[args.index("-m") + 1] == smoke.__name__
+    cfg = smoke.settings(files, overrides) if smoke_check else config.compose(files, overrides)[0]
+    train.check_settings(cfg, torch.device("cuda", 0) if visible_gpus() else torch.device("cpu"))
 
 
 def children(pid: int) -> list[int]:

@@ -341,6 +341,11 @@ SMOKE_RUN = [
 ]
 
 
+def settings(files: list[str], overrides: list[str]) -> config.Config:
+    """The smoke check's run: `files` (config.files' list), its own settings, then `overrides`."""
+    return config.load(files, [*SMOKE_RUN, *overrides])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_config_option(parser, "the run to check (yours by default)")
@@ -349,10 +354,9 @@ def main(argv=None) -> int:
     info = DistInfo.from_env()
     files = config.files(args.config)
     with exit_on_user_error():
-        cfg = config.load(files, [*SMOKE_RUN, *args.overrides])
-        train.check_hardware(cfg, info)
-        parallel.check(cfg, info.device)
-        checkpoint.check(config.to_dict(cfg))  # the round trip saves as the run would
+        cfg = settings(files, args.overrides)
+        dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
+        train.check_settings(cfg, info.device)  # as the run checks them: the round trip saves as it would
     info = parallel.with_backend(cfg, info)
     quick = is_quick(files)
     note = planned_note(cfg, info, quick)
