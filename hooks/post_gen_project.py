@@ -96,9 +96,6 @@ def set_yaml_values(text: str, values: dict) -> str:
 # the tests' run) keeps the dataclass's value
 NOT_DATACLASS_DEFAULTS = {
     "run.trackers",  # a file that names no tracker reports to none
-    # not yet: tests of the fast tier assume ddp and no accumulation without naming them (issue 51)
-    "parallel.strategy",
-    "train.grad_accum_steps",
 }
 
 

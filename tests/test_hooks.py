@@ -155,6 +155,8 @@ def test_the_answers_that_are_dataclass_defaults():
         "data.batch_size",
         "train.precision",
         "train.compile",
+        "train.grad_accum_steps",
+        "parallel.strategy",
         "parallel.sync_batchnorm",
         "optim.reference_batch_size",
         "dist.gpus_per_node",

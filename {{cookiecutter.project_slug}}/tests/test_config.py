@@ -137,9 +137,11 @@ def test_the_dataclass_defaults_are_the_answers_this_project_was_made_with():
 
 def test_the_tests_run_in_fp32_without_compiling_whatever_the_answers():
     # on a CPU: bf16 and fp16 are emulated, several times slower, and some models lack the kernels
-    # (oneDNN's bf16 LSTM on CPUs without bf16 units); a test about them names them
+    # (oneDNN's bf16 LSTM on CPUs without bf16 units); a test about them names them, as one about
+    # fsdp or accumulation names those (the answers are the dataclass defaults)
     tests_run = config.load(SMOKE_CONFIG)
     assert (tests_run.train.precision, tests_run.train.compile) == ("fp32", False)
+    assert (tests_run.parallel.strategy, tests_run.train.grad_accum_steps) == ("ddp", 1)
 
 
 def test_yaml_then_overrides():
