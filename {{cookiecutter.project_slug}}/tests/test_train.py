@@ -5,6 +5,7 @@ import signal
 import sys
 from types import SimpleNamespace
 
+import dist_proofs
 import pytest
 import torch
 import yaml
@@ -27,7 +28,8 @@ from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import dist, hardware, preemption, records
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
-from {{ cookiecutter.package_name }}.loop import checkpoint, parallel
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, parallel
 from {{ cookiecutter.package_name }}.task import build_model
 from {{ cookiecutter.package_name }}.tools import evaluate
 
@@ -67,6 +69,49 @@ def test_two_process_run_trains_and_reports(tmp_path):
     # the checkpoint of a DDP run loads into a plain model with strict key matching
     state = checkpoint.load_file(tmp_path / "e2e" / "checkpoints" / f"step_{2 * epoch:08d}.pt")
     build_model(config.load(tmp_path / "e2e" / "config.yaml")).load_state_dict(state["model"])
+
+
+# each case's settings besides the exact maths: 2 ranks, with accumulation, sharded
+NORM_CASES = {
+    "ddp": ("parallel.strategy=ddp",),
+    "ddp-accumulation": ("parallel.strategy=ddp", "train.grad_accum_steps=2"),
+    "fsdp": ("parallel.strategy=fsdp",),
+}
+FSDP_FLOOR = parallel.floor_problem()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        "ddp",
+        "ddp-accumulation",
+        pytest.param("fsdp", marks=[pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]),
+    ],
+)
+def test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch(tmp_path, case):
+    """Step 2 of a 2-rank run against one process's gradient on the same samples from the weights
+    step 1 left (its checkpoint), each rank's micro-batch a forward pass of its own as on its rank
+    (BatchNorm sees the batches it saw): a norm summed over ranks or micro-batches instead of the
+    global one is off by their count (in a world of one every such slip logs the right number)."""
+    overrides = (*dist_proofs.EXACT_MATHS, "train.max_steps=2", "run.log_every=1", "checkpoint.every_steps=1")
+    overrides += NORM_CASES[case]
+    torchrun(*train_args(tmp_path, *overrides), timeout=180)
+    run_dir = tmp_path / "smoke"
+    logged = {r["step"]: r["grad_norm"] for r in records.of_kind(read_metrics(run_dir), records.TRAIN)}
+    cfg = config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}", *overrides])
+    model = build_model(cfg)
+    model.load_state_dict(checkpoint.find(RunDir(run_dir).saved_checkpoints()[0])[1]["model"])  # step 1's
+    train_set, eval_set = loaders.datasets(cfg)
+    collate = loaders.build_loaders(train_set, eval_set, cfg, dist_proofs.world_of_one(), 0)[0].collate_fn
+    model.train()
+    dist_proofs.reference_gradients(model, dist_proofs.step_batches(train_set, collate, 2, 1, cfg))
+    gradient = torch.cat([dist_proofs.gradient_of(p).flatten() for p in model.parameters()])
+    reference = torch.linalg.vector_norm(gradient).item()
+    assert logged[2] == pytest.approx(reference, rel=1e-5), (
+        f"step 2 logged grad_norm {logged[2]:.6g}; one process's on the same samples is {reference:.6g}: a ratio of "
+        f"2 is a norm summed over the ranks, not reduced to the global one; otherwise {dist_proofs.DRIFT}"
+    )
 
 
 @pytest.mark.slow
