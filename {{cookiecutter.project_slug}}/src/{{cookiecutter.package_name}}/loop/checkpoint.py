@@ -330,6 +330,8 @@ def load_file(path: str | Path) -> dict:
         payload = _load(path)
     if "config" in payload:  # written before the settings' sections were regrouped: read in today's layout
         payload["config"], payload["renamed_settings"] = upgrade(payload["config"])
+    if "asked" in payload:  # what a resume compares the settings it is given with: in the same layout
+        payload["asked"] = upgrade(payload["asked"])[0]
     return payload
 
 
