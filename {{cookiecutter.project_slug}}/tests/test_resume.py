@@ -22,9 +22,11 @@ from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import num_samples
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
-from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel
+from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel, sharded_checkpoint
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+SHARDED_FLOOR = sharded_checkpoint.floor_problem()
+FORMATS = ["full", pytest.param("sharded", marks=pytest.mark.skipif(bool(SHARDED_FLOOR), reason=SHARDED_FLOOR or ""))]
 # exact and quick: fp32, no loader workers, no TensorBoard, every step logged
 QUICK = ("run.tensorboard=false", "data.num_workers=0", "train.precision=fp32", "run.log_every=1")
 
@@ -92,11 +94,13 @@ def run_here(tmp_path, process_settings, monkeypatch, capsys):
 
 
 def as_written_by_two_ranks(path: Path) -> None:
-    """Make `path`, a full checkpoint of a 1-rank run, the one 2 ranks with half its per-device
+    """Make `path`, a checkpoint of a 1-rank run (a file, or a sharded one's directory, whose
+    tensors any world size reads: its state.pt is changed), the one 2 ranks with half its per-device
     batch write after reading the same samples: b batches of B/2 on 2 ranks read the first b x B
     samples of the epoch's order, as b batches of B on 1 do (DistributedSampler's layout), so the
     global batch, the position in the epoch and the schedule are the same, the weights equal to
     float rounding (their BatchNorm statistics aside); each rank's generators are rank 0's."""
+    path = path / sharded_checkpoint.STATE_FILE if path.is_dir() else path
     payload = torch.load(path, weights_only=True)
     assert payload["config"]["data"]["batch_size"] % 2 == 0
     payload["config"]["data"]["batch_size"] //= 2
@@ -241,20 +245,23 @@ def split_noted(out: str) -> bool:
 SPLIT = ("data.batch_size", "train.grad_accum_steps")
 
 
-def test_a_split_chosen_for_another_world_size_is_kept_by_a_restart_and_never_listed_as_a_change(run_here, capsys):
-    # 2 ranks x batch 2 (global 4); the user's settings never change: data.batch_size=2, accum 1
-    cfg, _ = run_here("run", "data.batch_size=4", "train.max_steps=1")
-    as_written_by_two_ranks(cfg.run_dir.checkpoint(1))
-    _, on_one = run_here("run", "data.batch_size=2", "train.max_steps=2")  # an elastic restart on 1 rank
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_split_chosen_for_another_world_size_is_kept_by_a_restart_and_never_listed_as_a_change(run_here, capsys, fmt):
+    # 2 ranks x batch 2 (global 4); the user's settings never change: data.batch_size=2, accum 1;
+    # the settings as given travel in either checkpoint format (a sharded one's state.pt)
+    form = f"checkpoint.format={fmt}"
+    cfg, _ = run_here("run", "data.batch_size=4", "train.max_steps=1", form)
+    as_written_by_two_ranks(cfg.run_dir.checkpoint(1, sharded=fmt == "sharded"))
+    _, on_one = run_here("run", "data.batch_size=2", "train.max_steps=2", form)  # an elastic restart on 1 rank
     assert "batch 2 x 1 x accum 2 keeps the global batch 4" in on_one.out and not split_noted(on_one.out)
     # torchrun restarts it on that 1 rank again: the global batch stays 4, nothing is listed as changed
-    cfg, again = run_here("run", "data.batch_size=2", "train.max_steps=3")
+    cfg, again = run_here("run", "data.batch_size=2", "train.max_steps=3", form)
     assert again.steps == [[2, 2]] and not split_noted(again.out)
     assert "batch 2 x 1 x accum 2 keeps the global batch 4" in again.out
     # ... and back on 2 ranks, as train_and_save resumes there (its collectives aside): batch 2 x 2 ranks
-    path = cfg.run_dir.checkpoint(3)
+    path = cfg.run_dir.checkpoint(3, sharded=fmt == "sharded")
     payload = checkpoint.load_file(path)
-    given = [f"run.out_dir={cfg.run.out_dir}", *QUICK, "data.batch_size=2", "train.max_steps=3"]
+    given = [f"run.out_dir={cfg.run.out_dir}", *QUICK, "data.batch_size=2", "train.max_steps=3", form]
     asked = config.load(SMOKE_CONFIG, given)
     on_two, line = elastic.keep_global_batch(asked, payload, 2)
     assert (on_two.data.batch_size, on_two.train.grad_accum_steps) == (2, 1) and "global batch 4" in line
