@@ -6,22 +6,24 @@ the new one by the scaling rule; the resume note lists only the settings the use
 
 A 2-rank checkpoint is made from a 1-rank run's (`as_written_by_two_ranks`): the checkpoint 2
 ranks with half the per-device batch write after reading the same samples. Resuming a 2-rank run
-for real takes torchrun: test_elastic.py's drill (slow tier).
+for real takes torchrun: test_elastic.py's drill, and here each rank's generators (slow tier).
 """
 
 import copy
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE_CONFIG, read_metrics
+from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun, train_args
 from torch.utils.data import Dataset, Subset
 
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import num_samples
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel, sharded_checkpoint
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
@@ -180,6 +182,32 @@ def test_a_run_with_accumulation_killed_mid_epoch_resumes_bit_identical(run_here
                 assert all(torch.equal(ours[name][key], theirs_value[key]) for key in theirs_value), name
             else:
                 assert torch.equal(ours[name], theirs_value), name
+
+
+NOISY = str(PROJECT / "tests" / "noisy_train.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_2_rank_run_whose_forward_draws_random_numbers_resumes_bit_identical_on_each_ranks_generators(tmp_path, fmt):
+    # checkpoints at 2, 4 and the end, 5, on 2 ranks whose units draw a random number each forward
+    # from their own generator (as dropout draws its mask): the rerun without 4 and 5 resumes at 2
+    # and must end where the uninterrupted run ended; a rank given another rank's generators, or
+    # fresh ones, draws other numbers (in a world of one only rank 0's exist)
+    settings = ("data.num_workers=0", "train.max_steps=5", "checkpoint.every_steps=2", f"checkpoint.format={fmt}")
+    torchrun(NOISY, *train_args(tmp_path, *settings)[2:], timeout=180)
+    run_dir = RunDir(tmp_path / "smoke")
+    uninterrupted = checkpoint.find(run_dir.checkpoint(5, sharded=fmt == "sharded"))[1]["model"]
+    for later in run_dir.saved_checkpoints()[-2:]:  # steps 4 and 5
+        if later.is_dir():
+            shutil.rmtree(later)
+        else:
+            later.unlink()
+    resumed = torchrun(NOISY, *train_args(tmp_path, *settings)[2:], timeout=180)
+    assert "at step 2" in resumed.stdout, resumed.stdout
+    ours = checkpoint.find(run_dir.checkpoint(5, sharded=fmt == "sharded"))[1]["model"]
+    assert ours.keys() == uninterrupted.keys()
+    assert all(torch.equal(ours[name], uninterrupted[name]) for name in ours), "the resumed run drew other numbers"
 
 
 def test_a_checkpoint_with_accumulation_resumed_on_another_world_size_reads_the_rest_of_its_epoch_once(run_here):

@@ -71,29 +71,23 @@ def test_two_process_run_trains_and_reports(tmp_path):
     build_model(config.load(tmp_path / "e2e" / "config.yaml")).load_state_dict(state["model"])
 
 
-# each case's settings besides the exact maths: 2 ranks, with accumulation, sharded
+# each case's settings besides the exact maths: 2 ranks, with accumulation, sharded with accumulation
 NORM_CASES = {
     "ddp": ("parallel.strategy=ddp",),
     "ddp-accumulation": ("parallel.strategy=ddp", "train.grad_accum_steps=2"),
-    "fsdp": ("parallel.strategy=fsdp",),
+    "fsdp-accumulation": ("parallel.strategy=fsdp", "train.grad_accum_steps=2"),
 }
 FSDP_FLOOR = parallel.floor_problem()
+SHARDED = [pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]  # the project's model
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case",
-    [
-        "ddp",
-        "ddp-accumulation",
-        pytest.param("fsdp", marks=[pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]),
-    ],
-)
+@pytest.mark.parametrize("case", ["ddp", "ddp-accumulation", pytest.param("fsdp-accumulation", marks=SHARDED)])
 def test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch(tmp_path, case):
     """Step 2 of a 2-rank run against one process's gradient on the same samples from the weights
     step 1 left (its checkpoint), each rank's micro-batch a forward pass of its own as on its rank
-    (BatchNorm sees the batches it saw): a norm summed over ranks or micro-batches instead of the
-    global one is off by their count (in a world of one every such slip logs the right number)."""
+    (BatchNorm sees the batches it saw): a norm summed over the ranks instead of reduced to the
+    global one is off by their count (in a world of one such a slip logs the right number)."""
     overrides = (*dist_proofs.EXACT_MATHS, "train.max_steps=2", "run.log_every=1", "checkpoint.every_steps=1")
     overrides += NORM_CASES[case]
     torchrun(*train_args(tmp_path, *overrides), timeout=180)
