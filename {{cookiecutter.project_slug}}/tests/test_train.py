@@ -92,8 +92,11 @@ def test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch
     overrides += NORM_CASES[case]
     torchrun(*train_args(tmp_path, *overrides), timeout=180)
     run_dir = tmp_path / "smoke"
-    logged = {r["step"]: r["grad_norm"] for r in records.of_kind(read_metrics(run_dir), records.TRAIN)}
+    windows = records.of_kind(read_metrics(run_dir), records.TRAIN)
+    logged = {r["step"]: r["grad_norm"] for r in windows}
     cfg = config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}", *overrides])
+    global_batch = cfg.data.batch_size * 2 * cfg.train.grad_accum_steps
+    assert [samples_a_step(r) for r in windows] == pytest.approx([global_batch] * 2)  # every rank's micro-batch
     model = build_model(cfg)
     model.load_state_dict(checkpoint.find(RunDir(run_dir).saved_checkpoints()[0])[1]["model"])  # step 1's
     train_set, eval_set = loaders.datasets(cfg)
@@ -106,6 +109,20 @@ def test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch
         f"step 2 logged grad_norm {logged[2]:.6g}; one process's on the same samples is {reference:.6g}: a ratio of "
         f"2 is a norm summed over the ranks, not reduced to the global one; otherwise {dist_proofs.DRIFT}"
     )
+
+
+def samples_a_step(record: dict) -> float:
+    """A log window's samples per optimizer step, from its speed and its mean step time."""
+    return record["samples_per_s"] * record["step_ms"] / 1000
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_logged_speed_counts_every_micro_batch_of_a_step(tmp_path):
+    settings = [f"run.out_dir={tmp_path}", "run.tensorboard=false", "data.num_workers=0", "run.log_every=1"]
+    cfg = config.load(SMOKE_CONFIG, [*settings, "train.max_steps=2", "train.grad_accum_steps=2", "data.batch_size=4"])
+    assert train.run(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")) == 0
+    windows = records.of_kind(read_metrics(cfg.run_dir.root), records.TRAIN)
+    assert [samples_a_step(r) for r in windows] == pytest.approx([4 * 2] * 2)  # batch 4 x accumulation 2
 
 
 @pytest.mark.slow
