@@ -17,7 +17,7 @@ from test_faults import FAULTY, assert_bit_identical, final_state, worker_pid
 
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
-from {{ cookiecutter.package_name }}.loop import elastic, optim, parallel, samplers
+from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, optim, parallel, samplers
 from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 
 CHUNKS = [list(range(start, min(start + 7, 101))) for start in range(0, 101, 7)]  # 101 records, a short last chunk
@@ -170,6 +170,24 @@ def test_a_resume_on_another_world_size_or_batch_closes_the_epochs_layout():
     assert (state.batch_in_epoch, state.earlier_layouts) == (3, [])  # the same world: bit-identical
     state.continue_epoch_on(checkpoint_of(2, 12, 1), world_size=3, batch_size=8)
     assert (state.batch_in_epoch, state.earlier_layouts) == (0, [[2, 36]])
+
+
+def test_on_more_ranks_each_rank_the_checkpoints_world_had_goes_on_with_its_generators_and_each_new_one_gets_its_own():
+    before = checkpoint.rng_state()  # this process's generators, put back after
+    try:
+        saved, continued = [], []
+        for seed in (11, 12):  # the 2 ranks that wrote the checkpoint: their generators at the save
+            torch.manual_seed(seed)
+            saved.append(checkpoint.rng_state())
+            continued.append(torch.rand(4))
+        draws = []
+        for rank in range(4):  # resumed on 4 ranks
+            checkpoint.restore_generators(saved, rank, seed=0)
+            draws.append(torch.rand(4))
+    finally:
+        checkpoint.set_rng_state(before)
+    assert all(torch.equal(draws[rank], continued[rank]) for rank in (0, 1))
+    assert len({tuple(draw.tolist()) for draw in draws}) == 4  # a dropout mask of its own on every rank
 
 
 # the default classifier's BatchNorm normalises over each rank's batch, which a new world size changes

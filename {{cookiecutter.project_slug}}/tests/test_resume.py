@@ -6,25 +6,29 @@ the new one by the scaling rule; the resume note lists only the settings the use
 
 A 2-rank checkpoint is made from a 1-rank run's (`as_written_by_two_ranks`): the checkpoint 2
 ranks with half the per-device batch write after reading the same samples. Resuming a 2-rank run
-for real takes torchrun: test_elastic.py's drill (slow tier).
+for real takes torchrun: test_elastic.py's drill, and here each rank's generators (slow tier).
 """
 
 import copy
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOKE_CONFIG, read_metrics
+from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun, train_args
 from torch.utils.data import Dataset, Subset
 
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import num_samples
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
-from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel, sharded_checkpoint
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+SHARDED_FLOOR = sharded_checkpoint.floor_problem()
+FORMATS = ["full", pytest.param("sharded", marks=pytest.mark.skipif(bool(SHARDED_FLOOR), reason=SHARDED_FLOOR or ""))]
 # exact and quick: fp32, no loader workers, no TensorBoard, every step logged
 QUICK = ("run.tensorboard=false", "data.num_workers=0", "train.precision=fp32", "run.log_every=1")
 
@@ -92,11 +96,13 @@ def run_here(tmp_path, process_settings, monkeypatch, capsys):
 
 
 def as_written_by_two_ranks(path: Path) -> None:
-    """Make `path`, a full checkpoint of a 1-rank run, the one 2 ranks with half its per-device
+    """Make `path`, a checkpoint of a 1-rank run (a file, or a sharded one's directory, whose
+    tensors any world size reads: its state.pt is changed), the one 2 ranks with half its per-device
     batch write after reading the same samples: b batches of B/2 on 2 ranks read the first b x B
     samples of the epoch's order, as b batches of B on 1 do (DistributedSampler's layout), so the
     global batch, the position in the epoch and the schedule are the same, the weights equal to
     float rounding (their BatchNorm statistics aside); each rank's generators are rank 0's."""
+    path = path / sharded_checkpoint.STATE_FILE if path.is_dir() else path
     payload = torch.load(path, weights_only=True)
     assert payload["config"]["data"]["batch_size"] % 2 == 0
     payload["config"]["data"]["batch_size"] //= 2
@@ -178,6 +184,32 @@ def test_a_run_with_accumulation_killed_mid_epoch_resumes_bit_identical(run_here
                 assert torch.equal(ours[name], theirs_value), name
 
 
+NOISY = str(PROJECT / "tests" / "noisy_train.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_2_rank_run_whose_forward_draws_random_numbers_resumes_bit_identical_on_each_ranks_generators(tmp_path, fmt):
+    # checkpoints at 2, 4 and the end, 5, on 2 ranks whose units draw a random number each forward
+    # from their own generator (as dropout draws its mask): the rerun without 4 and 5 resumes at 2
+    # and must end where the uninterrupted run ended; a rank given another rank's generators, or
+    # fresh ones, draws other numbers (in a world of one only rank 0's exist)
+    settings = ("data.num_workers=0", "train.max_steps=5", "checkpoint.every_steps=2", f"checkpoint.format={fmt}")
+    torchrun(NOISY, *train_args(tmp_path, *settings)[2:], timeout=180)
+    run_dir = RunDir(tmp_path / "smoke")
+    uninterrupted = checkpoint.find(run_dir.checkpoint(5, sharded=fmt == "sharded"))[1]["model"]
+    for later in run_dir.saved_checkpoints()[-2:]:  # steps 4 and 5
+        if later.is_dir():
+            shutil.rmtree(later)
+        else:
+            later.unlink()
+    resumed = torchrun(NOISY, *train_args(tmp_path, *settings)[2:], timeout=180)
+    assert "at step 2" in resumed.stdout, resumed.stdout
+    ours = checkpoint.find(run_dir.checkpoint(5, sharded=fmt == "sharded"))[1]["model"]
+    assert ours.keys() == uninterrupted.keys()
+    assert all(torch.equal(ours[name], uninterrupted[name]) for name in ours), "the resumed run drew other numbers"
+
+
 def test_a_checkpoint_with_accumulation_resumed_on_another_world_size_reads_the_rest_of_its_epoch_once(run_here):
     # 2 ranks x batch 2 x accum 2 read 1 step (8 samples) of an epoch of 24; on 1 rank with
     # data.batch_size=2 the global batch 8 is kept as batch 2 x accum 4, and the epoch goes on
@@ -241,20 +273,23 @@ def split_noted(out: str) -> bool:
 SPLIT = ("data.batch_size", "train.grad_accum_steps")
 
 
-def test_a_split_chosen_for_another_world_size_is_kept_by_a_restart_and_never_listed_as_a_change(run_here, capsys):
-    # 2 ranks x batch 2 (global 4); the user's settings never change: data.batch_size=2, accum 1
-    cfg, _ = run_here("run", "data.batch_size=4", "train.max_steps=1")
-    as_written_by_two_ranks(cfg.run_dir.checkpoint(1))
-    _, on_one = run_here("run", "data.batch_size=2", "train.max_steps=2")  # an elastic restart on 1 rank
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_split_chosen_for_another_world_size_is_kept_by_a_restart_and_never_listed_as_a_change(run_here, capsys, fmt):
+    # 2 ranks x batch 2 (global 4); the user's settings never change: data.batch_size=2, accum 1;
+    # the settings as given travel in either checkpoint format (a sharded one's state.pt)
+    form = f"checkpoint.format={fmt}"
+    cfg, _ = run_here("run", "data.batch_size=4", "train.max_steps=1", form)
+    as_written_by_two_ranks(cfg.run_dir.checkpoint(1, sharded=fmt == "sharded"))
+    _, on_one = run_here("run", "data.batch_size=2", "train.max_steps=2", form)  # an elastic restart on 1 rank
     assert "batch 2 x 1 x accum 2 keeps the global batch 4" in on_one.out and not split_noted(on_one.out)
     # torchrun restarts it on that 1 rank again: the global batch stays 4, nothing is listed as changed
-    cfg, again = run_here("run", "data.batch_size=2", "train.max_steps=3")
+    cfg, again = run_here("run", "data.batch_size=2", "train.max_steps=3", form)
     assert again.steps == [[2, 2]] and not split_noted(again.out)
     assert "batch 2 x 1 x accum 2 keeps the global batch 4" in again.out
     # ... and back on 2 ranks, as train_and_save resumes there (its collectives aside): batch 2 x 2 ranks
-    path = cfg.run_dir.checkpoint(3)
+    path = cfg.run_dir.checkpoint(3, sharded=fmt == "sharded")
     payload = checkpoint.load_file(path)
-    given = [f"run.out_dir={cfg.run.out_dir}", *QUICK, "data.batch_size=2", "train.max_steps=3"]
+    given = [f"run.out_dir={cfg.run.out_dir}", *QUICK, "data.batch_size=2", "train.max_steps=3", form]
     asked = config.load(SMOKE_CONFIG, given)
     on_two, line = elastic.keep_global_batch(asked, payload, 2)
     assert (on_two.data.batch_size, on_two.train.grad_accum_steps) == (2, 1) and "global batch 4" in line

@@ -21,7 +21,7 @@ from test_faults import FAULTY, INFO, SETTINGS, final_state, small_run, worker_p
 from {{ cookiecutter.package_name }} import train
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
-from {{ cookiecutter.package_name }}.loop import checkpoint, sharded_checkpoint
+from {{ cookiecutter.package_name }}.loop import checkpoint, parallel, sharded_checkpoint
 from {{ cookiecutter.package_name }}.tools import export, smoke
 
 SHARDED = SETTINGS | {"checkpoint": SETTINGS["checkpoint"] | {"format": "sharded"}}
@@ -104,6 +104,26 @@ def test_keep_last_counts_both_formats_and_nan_weights_are_never_written(tmp_pat
         checkpoint.save(broken, state, run_dir, SHARDED, INFO, keep_last=2)
     assert [path.name for path in run_dir.saved_checkpoints()] == ["step_00000002", "step_00000003"]
     assert not run_dir.partial_checkpoints()
+
+
+NAN_SHARD = str(PROJECT / "tests" / "nan_shard_train.py")
+FSDP_FLOOR = parallel.floor_problem()
+
+
+@pytest.mark.slow
+@pytest.mark.fsdp
+@pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")
+def test_a_nan_in_one_ranks_shard_stops_every_rank_before_the_sharded_checkpoint_is_written(tmp_path):
+    # under fsdp each rank holds its part of the weights: rank 1's NaN is rank 0's to refuse too,
+    # at once, not after the collective timeout of a rank that went on into the save alone
+    settings = ("parallel.strategy=fsdp", "checkpoint.format=sharded", "checkpoint.every_steps=2", "train.max_steps=4")
+    result = torchrun(NAN_SHARD, *train_args(tmp_path, *settings)[2:], timeout=180, check=False)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}/2] FloatingPointError: not writing the checkpoint of step 2: 1 weights hold nan" in (
+            result.stderr
+        ), result.stderr[-3000:]
+    assert not RunDir(tmp_path / "smoke").saved_checkpoints()
 
 
 def test_another_models_sharded_checkpoint_is_refused_from_its_metadata(tmp_path):

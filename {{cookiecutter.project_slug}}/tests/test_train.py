@@ -5,6 +5,7 @@ import signal
 import sys
 from types import SimpleNamespace
 
+import dist_proofs
 import pytest
 import torch
 import yaml
@@ -27,7 +28,8 @@ from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import dist, hardware, preemption, records
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
-from {{ cookiecutter.package_name }}.loop import checkpoint, parallel
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, parallel
 from {{ cookiecutter.package_name }}.task import build_model
 from {{ cookiecutter.package_name }}.tools import evaluate
 
@@ -67,6 +69,74 @@ def test_two_process_run_trains_and_reports(tmp_path):
     # the checkpoint of a DDP run loads into a plain model with strict key matching
     state = checkpoint.load_file(tmp_path / "e2e" / "checkpoints" / f"step_{2 * epoch:08d}.pt")
     build_model(config.load(tmp_path / "e2e" / "config.yaml")).load_state_dict(state["model"])
+
+
+# each case's settings besides the exact maths: 2 ranks, with accumulation, sharded with accumulation
+NORM_CASES = {
+    "ddp": ("parallel.strategy=ddp",),
+    "ddp-accumulation": ("parallel.strategy=ddp", "train.grad_accum_steps=2"),
+    "fsdp-accumulation": ("parallel.strategy=fsdp", "train.grad_accum_steps=2"),
+}
+FSDP_FLOOR = parallel.floor_problem()
+SHARDED = [pytest.mark.fsdp, pytest.mark.skipif(bool(FSDP_FLOOR), reason=FSDP_FLOOR or "")]  # the project's model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ddp", "ddp-accumulation", pytest.param("fsdp-accumulation", marks=SHARDED)])
+def test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch(tmp_path, case):
+    """Step 2 of a 2-rank run against one process's gradient on the same samples from the weights
+    step 1 left (its checkpoint), each rank's micro-batch a forward pass of its own as on its rank
+    (BatchNorm sees the batches it saw), in float64: the exact norm, which the run's float32 meets
+    to rounding (a float32 reference is 5e-4 off on the image starter's ResNet at 32 px, whose
+    BatchNorm amplifies rounding). A norm summed over the ranks instead of reduced to the global
+    one is off by their count (in a world of one such a slip logs the right number)."""
+    overrides = (*dist_proofs.EXACT_MATHS, "train.max_steps=2", "run.log_every=1", "checkpoint.every_steps=1")
+    overrides += NORM_CASES[case]
+    torchrun(*train_args(tmp_path, *overrides), timeout=180)
+    run_dir = tmp_path / "smoke"
+    windows = records.of_kind(read_metrics(run_dir), records.TRAIN)
+    logged = {r["step"]: r["grad_norm"] for r in windows}
+    cfg = config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}", *overrides])
+    global_batch = cfg.data.batch_size * 2 * cfg.train.grad_accum_steps
+    assert [samples_a_step(r) for r in windows] == pytest.approx([global_batch] * 2)  # every rank's micro-batch
+    model = build_model(cfg)
+    model.load_state_dict(checkpoint.find(RunDir(run_dir).saved_checkpoints()[0])[1]["model"])  # step 1's
+    train_set, eval_set = loaders.datasets(cfg)
+    collate = loaders.build_loaders(train_set, eval_set, cfg, dist_proofs.world_of_one(), 0)[0].collate_fn
+    model.double().train()
+    batches = [in_float64(batch) for batch in dist_proofs.step_batches(train_set, collate, 2, 1, cfg)]
+    dist_proofs.reference_gradients(model, batches)
+    gradient = torch.cat([dist_proofs.gradient_of(p).flatten() for p in model.parameters()])
+    reference = torch.linalg.vector_norm(gradient).item()
+    assert logged[2] == pytest.approx(reference, rel=1e-5), (
+        f"step 2 logged grad_norm {logged[2]:.6g}; one process's on the same samples is {reference:.6g}: a ratio of "
+        f"2 is a norm summed over the ranks, not reduced to the global one; otherwise {dist_proofs.DRIFT}"
+    )
+
+
+def in_float64(batch):
+    """The batch with its floating-point tensors in float64, inside tuples, lists and dicts."""
+    if isinstance(batch, torch.Tensor):
+        return batch.double() if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {key: in_float64(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(in_float64(value) for value in batch)
+    return batch
+
+
+def samples_a_step(record: dict) -> float:
+    """A log window's samples per optimizer step, from its speed and its mean step time."""
+    return record["samples_per_s"] * record["step_ms"] / 1000
+
+
+@pytest.mark.usefixtures("process_settings")
+def test_the_logged_speed_counts_every_micro_batch_of_a_step(tmp_path):
+    settings = [f"run.out_dir={tmp_path}", "run.tensorboard=false", "data.num_workers=0", "run.log_every=1"]
+    cfg = config.load(SMOKE_CONFIG, [*settings, "train.max_steps=2", "train.grad_accum_steps=2", "data.batch_size=4"])
+    assert train.run(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")) == 0
+    windows = records.of_kind(read_metrics(cfg.run_dir.root), records.TRAIN)
+    assert [samples_a_step(r) for r in windows] == pytest.approx([4 * 2] * 2)  # batch 4 x accumulation 2
 
 
 @pytest.mark.slow

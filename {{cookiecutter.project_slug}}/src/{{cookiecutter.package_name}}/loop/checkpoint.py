@@ -330,6 +330,8 @@ def load_file(path: str | Path) -> dict:
         payload = _load(path)
     if "config" in payload:  # written before the settings' sections were regrouped: read in today's layout
         payload["config"], payload["renamed_settings"] = upgrade(payload["config"])
+    if "asked" in payload:  # what a resume compares the settings it is given with: in the same layout
+        payload["asked"] = upgrade(payload["asked"])[0]
     return payload
 
 
@@ -490,11 +492,17 @@ def restore(
             "the step and the optimizer's state continue from the checkpoint, the learning rate follows the "
             "schedule these settings plan from that step (a new run.name starts afresh)",
         )
-    rngs = payload["rng"]
-    if info.rank < len(rngs):
-        set_rng_state(rngs[info.rank])
-    else:  # a rank the writing world did not have: generators of its own, unlike any other rank's
-        dist.seed_everything(config["run"]["seed"] + info.rank)
+    restore_generators(payload["rng"], info.rank, config["run"]["seed"])
+
+
+def restore_generators(saved: list, rank: int, seed: int) -> None:
+    """This rank's generators as the checkpoint's run left them (`saved`: one state for each rank
+    of the world that wrote it); a rank that world did not have (a resume on more ranks) gets
+    generators of its own, unlike any other rank's."""
+    if rank < len(saved):
+        set_rng_state(saved[rank])
+    else:
+        dist.seed_everything(seed + rank)
 
 
 def resume(
