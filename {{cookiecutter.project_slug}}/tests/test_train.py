@@ -104,7 +104,8 @@ def test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch
     train_set, eval_set = loaders.datasets(cfg)
     collate = loaders.build_loaders(train_set, eval_set, cfg, dist_proofs.world_of_one(), 0)[0].collate_fn
     model.double().train()
-    batches = [in_float64(batch) for batch in dist_proofs.step_batches(train_set, collate, 2, 1, cfg)]
+    step = dist_proofs.step_batches(train_set, collate, 2, 1, cfg)  # [rank][micro-batch]
+    batches = [[in_float64(batch) for batch in micro_batches] for micro_batches in step]
     dist_proofs.reference_gradients(model, batches)
     gradient = torch.cat([dist_proofs.gradient_of(p).flatten() for p in model.parameters()])
     reference = torch.linalg.vector_norm(gradient).item()
