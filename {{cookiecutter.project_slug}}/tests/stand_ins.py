@@ -543,6 +543,48 @@ class ContrastiveTask:
         return Throughput()
 
 
+class PlainTask:
+    """A classifier of the shipped classifier's shape (an MLP with BatchNorm on points near a few
+    centres): what the tests of the loop's own wiring train (schedules, optimizers, resumes), the
+    same loop whatever the project's model, in seconds whatever its cost."""
+
+    MAIN_METRIC = ("accuracy", "max")
+    TERMS_PER_SAMPLE = 1
+    to_device = staticmethod(move_to)
+
+    @staticmethod
+    def build_datasets(cfg) -> tuple[Dataset, Dataset]:
+        return Points(512, 0), Points(61, 512)
+
+    @staticmethod
+    def build_model(cfg) -> nn.Module:
+        return nn.Sequential(nn.Linear(WIDTH, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, CLASSES))
+
+    @staticmethod
+    def count_terms(batch) -> int:
+        return len(batch["label"])
+
+    @staticmethod
+    def loss_sum(model: nn.Module, batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch["point"]), batch["label"], reduction="sum")
+
+    @staticmethod
+    def eval_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        logits = model(batch["point"]).float()
+        return {
+            "loss": F.cross_entropy(logits, batch["label"], reduction="none"),
+            "correct": (logits.argmax(dim=1) == batch["label"]).float(),
+        }
+
+    @staticmethod
+    def metrics(totals: dict) -> dict[str, float]:
+        return {"loss": totals["loss"] / totals["samples"], "accuracy": totals["correct"] / totals["samples"]}
+
+    @staticmethod
+    def throughput(cfg, model: nn.Module) -> Throughput:
+        return Throughput()
+
+
 STAND_INS = {
     "recurrent": RecurrentTask,
     "keyword": KeywordTask,
@@ -550,6 +592,7 @@ STAND_INS = {
     "detector": DetectorTask,
     "contrastive": ContrastiveTask,
 }
+LOOP_WIRING = {"plain": PlainTask}  # installed by the tests of the loop's own wiring, not a shape of the seam
 # the settings a project training the stand-in would have: DDP must reduce the experts a rank's batch
 # left without a gradient (FSDP2 cannot: its reduce-scatter sizes would differ between ranks, pytorch#158719)
 SETTINGS = {"routed": ["parallel.find_unused_parameters=true"]}
@@ -562,7 +605,7 @@ def install(name: str, monkeypatch=None) -> None:
     In a test, pass pytest's monkeypatch, which undoes it afterwards."""
     set_attribute = partial(monkeypatch.setattr, raising=False) if monkeypatch else setattr
     delete_attribute = monkeypatch.delattr if monkeypatch else delattr
-    stand_in = STAND_INS[name]
+    stand_in = (STAND_INS | LOOP_WIRING)[name]
     for attribute in OPTIONAL:
         if hasattr(task, attribute):
             delete_attribute(task, attribute)

@@ -1,4 +1,5 @@
-"""Resuming, in the loop's own run in this process (a world of one, seconds): with accumulation
+"""Resuming, in the loop's own run in this process (a world of one, seconds, on the plain stand-in
+task of tests/stand_ins.py as test_wiring.py's runs): with accumulation
 the position in the epoch counts micro-batches, so a resume on the same layout is bit-identical and
 one on another reads each sample of the epoch once; from a 2-rank checkpoint the global batch is
 kept whatever data.batch_size is, or, with checkpoint.allow_new_global_batch, the peak lr follows
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import stand_ins
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun, train_args
 from torch.utils.data import Dataset, Subset
@@ -25,6 +27,12 @@ from {{ cookiecutter.package_name }}.base.batching import num_samples
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel, sharded_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def plain_task(monkeypatch):
+    stand_ins.install("plain", monkeypatch)
+
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 SHARDED_FLOOR = sharded_checkpoint.floor_problem()

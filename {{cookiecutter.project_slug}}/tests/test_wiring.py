@@ -2,14 +2,18 @@
 
 The helpers have unit tests of their own (test_optim.py, test_dist.py ...); these tests fail
 when train.py stops calling them as it should: they run the project's own `train.run` in
-this process (a world of one, seconds) and read what it wrote or applied. The wiring that
-needs two ranks (set_epoch on every rank, the equal-length check) is in the proofs launch
+this process (a world of one, seconds) and read what it wrote or applied. They train the plain
+stand-in task of tests/stand_ins.py: the loop's wiring is the same whatever the model, and a
+heavy model would make this matrix of schedules, optimizers and resumes minutes; the project's
+own model goes through the seam tests, the proofs and its resume drill (test_faults.py, --task).
+The wiring that needs two ranks (set_epoch on every rank, the equal-length check) is in the proofs launch
 (test_distributed.py); the seam's contract, whatever the model, in test_seam.py.
 """
 
 import math
 
 import pytest
+import stand_ins
 import torch
 from conftest import SMOKE_CONFIG, read_metrics
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -21,6 +25,12 @@ from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, sharded_checkpoint
 from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
+
+
+@pytest.fixture(autouse=True)
+def plain_task(monkeypatch):
+    stand_ins.install("plain", monkeypatch)
+
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 SHARDED_FLOOR = sharded_checkpoint.floor_problem()
