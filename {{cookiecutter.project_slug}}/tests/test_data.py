@@ -13,8 +13,8 @@ from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import batching, cpus
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import loaders, preflight
-from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
 from {{ cookiecutter.package_name }}.loop.samplers import EvalBatches
+from {{ cookiecutter.package_name }}.loop.state import TrainState
 from {{ cookiecutter.package_name }}.model import build_model
 
 

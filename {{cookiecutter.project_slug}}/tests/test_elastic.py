@@ -18,7 +18,7 @@ from test_faults import FAULTY, assert_bit_identical, final_state, worker_pid
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, optim, parallel, samplers
-from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
+from {{ cookiecutter.package_name }}.loop.state import TrainState
 
 CHUNKS = [list(range(start, min(start + 7, 101))) for start in range(0, 101, 7)]  # 101 records, a short last chunk
 

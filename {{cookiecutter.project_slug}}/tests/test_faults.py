@@ -29,7 +29,7 @@ from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, optim, sharded_checkpoint
-from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
+from {{ cookiecutter.package_name }}.loop.state import TrainState
 from {{ cookiecutter.package_name }}.task import build_datasets, build_model
 from {{ cookiecutter.package_name }}.tools import export, launch
 

@@ -24,7 +24,7 @@ from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, sharded_checkpoint
-from {{ cookiecutter.package_name }}.loop.checkpoint import TrainState
+from {{ cookiecutter.package_name }}.loop.state import TrainState
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,8 @@
 Or use scripts/train.sh, scripts/train_multinode.sh and scripts/train.sbatch.
 
 The file reads in call order: main -> run -> build (and wrap) -> fit -> train_one_epoch -> the
-step (accumulate_gradients, optimizer_step) -> evaluate -> the start-up report.
+step (accumulate_gradients, optimizer_step) -> evaluation (loop/evaluation.py). What a run carries
+lives in loop/state.py (Job, TrainState), its start-up report in loop/startup.py.
 """
 
 from __future__ import annotations
@@ -24,19 +25,18 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 from . import config, task
 from .base import cpus, dist, hardware, preemption
 from .base.dist import DistInfo
 from .base.rules import ConfigError, exit_on_user_error
 from .config import Config
-from .loop import checkpoint, elastic, loaders, optim, parallel, sharded_checkpoint, tensorboard, tracking
-from .loop.checkpoint import TrainState
+from .loop import checkpoint, elastic, loaders, optim, parallel, sharded_checkpoint, startup, tensorboard, tracking
 from .loop.evaluation import evaluate
 from .loop.metrics import TrainingLog, Window
 from .loop.preflight import check_declared_terms, check_task
-from .loop.profiling import ProfileWindow, StepClock, profile_window
+from .loop.profiling import StepClock, profile_window
+from .loop.state import Job, TrainState
 
 AUTOCAST_DTYPES = hardware.AUTOCAST_DTYPES
 
@@ -127,7 +127,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     if batch_line:
         dist.print0(info, batch_line)
     if resumed and job.state.step >= job.total_steps:  # its files stay as the finished run left them
-        dist.print0(info, nothing_to_train(cfg, job.state.step, job.total_steps))
+        dist.print0(info, startup.nothing_to_train(cfg, job.state.step, job.total_steps))
         return 0
     if info.is_main:
         cfg.run_dir.root.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     if trackers is not None:
         job.state.tracked_run_id = trackers.start(cfg, info, resumed, job.state)
     with training_log(job, cfg, info, trackers) as log:
-        report_startup(cfg, info, job, log, resumed)
+        startup.report(cfg, info, job, log, resumed)
         outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
         final = save_checkpoint(job, cfg, info, final=True)  # written when this returns, async_save or not
         if outcome is Outcome.PREEMPTED:  # leaving the log finishes the trackers after the checkpoint
@@ -144,31 +144,6 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
             return preemption.report_preemption()
         dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir, final))
     return 0
-
-
-def nothing_to_train(cfg: Config, step: int, total_steps: int) -> str:
-    return (
-        f"nothing to train: {cfg.run_dir} is at step {step}, and train.epochs / train.max_steps plan "
-        f"{total_steps}; raise one of them to train on, or pass run.name=NEW for a new run "
-        f"(results so far: {cfg.run_dir.metrics})"
-    )
-
-
-@dataclass
-class Job:
-    """What the loop trains and with what; `build` makes it, `fit` runs it."""
-
-    model: nn.Module  # the one handle: DDP(compiled(module)) or the sharded module; dist.bare() is the module
-    state: TrainState  # optimizer, scheduler, scaler and the position in the run
-    train_loader: DataLoader
-    eval_loader: DataLoader
-    total_steps: int  # optimizer steps of the whole run
-    global_batch: int  # samples an optimizer step learns from, over every rank and micro-batch
-    clock: StepClock  # where each step's time goes
-    profiler: ProfileWindow | None  # run.profile_steps; None when off
-    units: list[nn.Module]  # parallel.strategy=fsdp: the modules sharded one by one (task.shard_units)
-    asked: dict | None = None  # the settings as given, before another world size split the global batch anew
-    reference_loader: DataLoader | None = None  # task.reference_set's, for dataset_metrics; None without one
 
 
 def build(cfg: Config, info: DistInfo) -> Job:
@@ -439,83 +414,6 @@ def save_checkpoint(job: Job, cfg: Config, info: DistInfo, final: bool = False) 
 def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
     results = evaluate(job.model, job.eval_loader, cfg, info, job.reference_loader)
     log.evaluation(job.state.step, job.state.epoch, results)
-
-
-def report_startup(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
-    params = sum(p.numel() for p in job.model.parameters())
-    lr = job.state.optimizer.param_groups[0]["initial_lr"]  # the schedule's peak: the batch-scaled lr
-    warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, job.global_batch, cfg.optim.reference_batch_size)
-    dist.print0(
-        info,
-        f"world size {info.world_size} ({info.local_world_size} per node), backend {info.backend}, "
-        f"device {info.device}\n"
-        f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
-        f"{cfg.train.grad_accum_steps} accumulation steps\n"
-        f"{lr_line(cfg, lr, job.global_batch)}\n"
-        f"{optimizer_text(cfg)}, {cfg.schedule.name} schedule, {warmup_text(warmup)}, "
-        f"{planned_steps(cfg, job.total_steps)}\n"
-        f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
-        f"{cfg.parallel.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}"
-        "\n"
-        f"parameters {params:,}; {memory_line(cfg, info, job.model, job.units)}\n"
-        f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
-    )
-    notes = hardware.precision_note(cfg.train.precision, info.device), loaders.worker_start_note(cfg, job.train_loader)
-    for note in notes:
-        if note:
-            dist.print0(info, note)
-
-
-def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
-    """The peak lr and where it comes from: the rule that scaled it, and how to turn that off."""
-    rule, tuned = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name), cfg.optim.lr
-    reference = cfg.optim.reference_batch_size
-    if rule == "none" or global_batch == reference:
-        return f"lr {lr:.3g} (optim.lr, tuned at batch {reference}; global batch {global_batch}: not scaled)"
-    why = f"optim.lr_scaling=auto for {cfg.optim.name}" if cfg.optim.lr_scaling == "auto" else "optim.lr_scaling"
-    return (
-        f"lr {lr:.3g}: optim.lr {tuned:g} tuned at batch {reference}, scaled {rule} ({why}) to the global batch "
-        f"{global_batch}; optim.lr_scaling=none keeps {tuned:g}"
-    )
-
-
-def optimizer_text(cfg: Config) -> str:
-    """The optimizer and the settings of it that shape every step: SGD's momentum (0.9 here by
-    default; torch's own default is 0) and Nesterov, AdamW's betas."""
-    settings = cfg.optim
-    if settings.name == "sgd":
-        return f"sgd optimizer (momentum {settings.momentum:g}{', Nesterov' if settings.nesterov else ''})"
-    if settings.name == "adamw":
-        return f"adamw optimizer (betas {settings.betas[0]:g}, {settings.betas[1]:g})"
-    return f"{settings.name} optimizer"
-
-
-def warmup_text(warmup: float) -> str:
-    return f"warmup {warmup:.1%} of the steps" if warmup else "no warmup (schedule.warmup_fraction=0)"
-
-
-def planned_steps(cfg: Config, total_steps: int) -> str:
-    """The run's length, naming the setting that ends it when train.max_steps is never reached."""
-    epochs, max_steps = cfg.train.epochs, cfg.train.max_steps
-    if max_steps and total_steps < max_steps:
-        return f"{total_steps} steps (train.epochs={epochs} ends before train.max_steps={max_steps})"
-    return f"{total_steps} steps"
-
-
-def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Module]) -> str:
-    """The static memory per device (weights, gradients, optimizer state) under the run's strategy,
-    the model sharded in `units` under fsdp."""
-    bare = dist.bare(model)
-    mib = parallel.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
-    whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
-    if cfg.parallel.strategy == "ddp":
-        return f"strategy ddp: {whole}"
-    if not info.distributed:
-        return f"strategy fsdp in a world of one, nothing to shard: {whole}"
-    return (
-        f"strategy fsdp on {info.world_size} ranks, {len(units)} units: static memory per device ~{mib:.1f} MiB "
-        f"(a 1/{info.world_size} share, {parallel.gathered(cfg)})"
-    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,11 @@ import itertools
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -45,9 +46,6 @@ from torch.utils.data import Dataset
 
 from . import extras
 from .rules import ConfigError
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 PACK_FILE = "pack.json"
 INDEX_FILE = "index.json"
@@ -57,26 +55,37 @@ PACK_COMMAND = "python -m {{ cookiecutter.package_name }}.tools.pack"
 GIGABYTE = 1024**3
 
 
+class PackSettings(Protocol):
+    """What reading a pack needs of the run's settings: their data section."""
+
+    shards: str  # a folder or an s3:// URL
+    shards_order: str  # chunks: chunk by chunk; shuffle: any order
+    shards_cache: str | None  # the node's cache of a remote pack; None: default_cache()
+    shards_cache_gb: float  # the size the cache stays under
+
+
 def require_litdata(needed_for: str = "data.shards"):
     return extras.require("litdata", needed_for)
 
 
-def datasets(cfg: Config, from_records=None) -> tuple[Dataset, Dataset]:
-    """The (train, eval) datasets of the pack that data.shards names: its record sets, or what the
-    seam's `from_records(cfg, train, eval)` makes of them. Read chunk by chunk
-    (data.shards_order=chunks), the training set carries the pack's chunk layout (InChunks)."""
+def datasets(data: PackSettings, from_records: Callable | None = None) -> tuple[Dataset, Dataset]:
+    """The (train, eval) datasets of the pack that data.shards names: its record sets, or what
+    `from_records(train, eval)` makes of them (the seam's, given the run's settings). Read chunk by
+    chunk (data.shards_order=chunks), the training set carries the pack's chunk layout (InChunks)."""
     require_litdata()
-    pack = open_pack(cfg.data.shards)
-    sets = [ShardSet(pack, split, chunk_cache(cfg, pack, split)) for split in SPLITS]
-    train, evaluation = from_records(cfg, *sets) if from_records else sets
-    if cfg.data.shards_order == "chunks":
+    pack = open_pack(data.shards)
+    sets = [ShardSet(pack, split, chunk_cache(data, pack, split)) for split in SPLITS]
+    train, evaluation = from_records(*sets) if from_records else sets
+    if data.shards_order == "chunks":
         train = InChunks(train, chunk_layout(pack))
     return train, evaluation
 
 
-def facts(cfg: Config) -> dict:
-    """What the pack command recorded about the data (the seam's `pack_facts`: class names, ...)."""
-    return read_meta(cfg.data.shards)["facts"]
+def facts(data: PackSettings) -> dict:
+    """What the pack command recorded about the data (the seam's `pack_facts`: class names, ...),
+    from the pack the data section (cfg.data) names."""
+    data = getattr(data, "data", data)  # a whole run's settings, as projects made before this passed
+    return read_meta(data.shards)["facts"]
 
 
 def chunk_layout(pack: Pack) -> list[np.ndarray]:
@@ -274,14 +283,14 @@ def owned(record):
     return record
 
 
-def chunk_cache(cfg: Config, pack: Pack, split: str) -> ChunkCache | None:
+def chunk_cache(data: PackSettings, pack: Pack, split: str) -> ChunkCache | None:
     """The node's cache for a split of a remote pack (None for a folder: it is read in place)."""
     if not pack.store.remote:
         return None
-    root = Path(cfg.data.shards_cache or default_cache())
+    root = Path(data.shards_cache or default_cache())
     # a pack written again at the same URL gets a new id, so no stale chunk is ever read
     name = hashlib.sha256(pack.store.location.encode()).hexdigest()[:16] + "-" + pack.meta["id"]
-    return ChunkCache(pack, split, root, root / name, int(cfg.data.shards_cache_gb * GIGABYTE))
+    return ChunkCache(pack, split, root, root / name, int(data.shards_cache_gb * GIGABYTE))
 
 
 def default_cache() -> Path:

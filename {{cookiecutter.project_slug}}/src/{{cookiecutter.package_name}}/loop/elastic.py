@@ -16,7 +16,7 @@ from ..base.rules import ConfigError
 
 if TYPE_CHECKING:
     from ..config import Config
-    from .checkpoint import TrainState
+    from .state import TrainState
 
 
 def saved_global_batch(payload: dict) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,8 @@ def datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     if cfg.data.shards is None:
         train_set, eval_set = task.build_datasets(cfg)
     else:
-        train_set, eval_set = packs.datasets(cfg, getattr(task, "from_records", None))
+        from_records = partial(task.from_records, cfg) if hasattr(task, "from_records") else None
+        train_set, eval_set = packs.datasets(cfg.data, from_records)
     if cfg.eval.limit is not None and cfg.eval.limit < len(eval_set):
         eval_set = Subset(eval_set, range(cfg.eval.limit))
     return train_set, eval_set

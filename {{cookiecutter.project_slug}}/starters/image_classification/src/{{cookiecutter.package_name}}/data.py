@@ -125,7 +125,7 @@ def _has_image(folder: Path) -> bool:
 
 def class_names(cfg: Config) -> list[str]:
     if cfg.data.shards is not None:
-        return packs.facts(cfg)["classes"]
+        return packs.facts(cfg.data)["classes"]
     return sorted(entry.name for entry in os.scandir(image_root(cfg) / "train") if entry.is_dir())
 
 

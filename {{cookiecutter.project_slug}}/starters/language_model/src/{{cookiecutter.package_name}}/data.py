@@ -136,7 +136,7 @@ def read_meta(directory: str | Path) -> dict:
 
 def vocabulary_size(cfg: Config) -> int:
     if cfg.data.shards is not None:
-        return int(packs.facts(cfg)["vocabulary_size"])
+        return int(packs.facts(cfg.data)["vocabulary_size"])
     return BYTE_VOCABULARY if cfg.dataset.dir is None else int(read_meta(cfg.dataset.dir)["vocabulary_size"])
 
 
@@ -167,7 +167,7 @@ def build_records(cfg: Config) -> tuple[Dataset, Dataset]:
 
 def from_records(cfg: Config, train: Dataset, evaluation: Dataset) -> tuple[Dataset, Dataset]:
     """(inputs, targets) samples of packed windows, which must have been cut for this model.context."""
-    packed = packs.facts(cfg)["context"]
+    packed = packs.facts(cfg.data)["context"]
     if packed != cfg.model.context:
         raise ConfigError(
             f"model.context: {cfg.data.shards} holds windows for model.context={packed}, not {cfg.model.context}; "
@@ -180,7 +180,7 @@ def tokenizer_name(cfg: Config) -> str:
     """The tokenizer the windows were cut with, as prepare.py records it: bytes, MODULE:ATTRIBUTE,
     or the absolute path of the tokenizer.json in the data directory."""
     if cfg.data.shards is not None:
-        return packs.facts(cfg)["tokenizer"]
+        return packs.facts(cfg.data)["tokenizer"]
     if cfg.dataset.dir is None:
         return BYTES
     name = read_meta(cfg.dataset.dir)["tokenizer"]
@@ -199,7 +199,7 @@ def special_tokens(cfg: Config) -> dict[str, int | None]:
     prepare recorded them from the tokenizer; None where it has none (bytes have none, and data
     prepared before prepare recorded them has none on record)."""
     if cfg.data.shards is not None:
-        recorded = packs.facts(cfg).get("special_tokens")
+        recorded = packs.facts(cfg.data).get("special_tokens")
     else:
         recorded = None if cfg.dataset.dir is None else read_meta(cfg.dataset.dir).get("special_tokens")
     return {role: (recorded or {}).get(role) for role in SPECIAL_TOKENS}
