@@ -67,7 +67,7 @@ def rank_orders(train_set, cfg, world_size: int, epoch: int) -> list[list[int]]:
     """The sample indices each rank's sampler yields in an epoch."""
     orders = []
     for rank in range(world_size):
-        sampler = loaders.train_sampler(train_set, cfg, world_size, rank)
+        sampler = loaders.train_sampler(train_set, cfg.run.seed, world_size, rank)
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return orders
@@ -776,7 +776,7 @@ def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict
             model = train.wrap(task.build_model(cfg), cfg, info)
             train_loader, _ = loaders.build_loaders(*loaders.datasets(cfg), cfg, info, 0)
             batch = task.to_device(next(iter(train_loader)), info.device)
-            with parallel.micro_batch(model, False, cfg, info):
+            with parallel.micro_batch(model, False, cfg.parallel, info):
                 loss = task.loss_sum(model, batch)
                 units = parallel.units(dist.bare(model))
                 gathered = all(not hasattr(p, "full_tensor") for unit in units for p in unit.parameters())

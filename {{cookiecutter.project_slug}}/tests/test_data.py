@@ -80,7 +80,7 @@ def test_loader_workers_start_as_data_worker_start_says(monkeypatch):
         monkeypatch.setattr(loaders, "fork_can_hang", lambda hangs=hangs: hangs)
         train, _ = build(0, 2, workers=2)
         assert (train.multiprocessing_context.get_start_method() if hangs else train.multiprocessing_context) == started
-        assert (loaders.worker_start_note(cfg, train) is not None) == hangs  # start-up says why
+        assert (loaders.worker_start_note(cfg.data, train) is not None) == hangs  # start-up says why
     assert build(0, 2, "data.worker_start=spawn")[0].multiprocessing_context is None  # no workers: nothing starts
 
 

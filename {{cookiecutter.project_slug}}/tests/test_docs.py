@@ -159,9 +159,7 @@ def test_training_md_gives_the_build_order_train_build_runs():
 def test_training_md_names_what_decides_whether_a_micro_batch_reduces():
     """Under fsdp with parallel.reduce_every_micro_batch every micro-batch reduce-scatters: the page
     once said every strategy skipped the reduction on all but the last."""
-    decides = {
-        f"parallel.{name}" for name in re.findall(r"cfg\.parallel\.(\w+)", inspect.getsource(parallel.micro_batch))
-    }
+    decides = {f"parallel.{name}" for name in re.findall(r"settings\.(\w+)", inspect.getsource(parallel.micro_batch))}
     page = " ".join(text_of(PROJECT / "docs" / "training.md").split())
     bullet = page.split("**Loss weighting and accumulation.**")[1].split("- **")[0]
     assert decides and all(f"`{setting}" in bullet for setting in decides), (decides, bullet)

@@ -6,6 +6,7 @@ it as they read a new one. A sharded checkpoint keeps its settings in the direct
 import json
 
 import pytest
+import stand_ins
 import torch
 from conftest import SMOKE_CONFIG, read_metrics
 from test_config import previous_layout
@@ -15,6 +16,13 @@ from {{ cookiecutter.package_name }}.base import extras, records
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import checkpoint, sharded_checkpoint
 from {{ cookiecutter.package_name }}.tools import evaluate, export
+
+
+@pytest.fixture(autouse=True)
+def plain_task(monkeypatch):
+    """The loop's reading of checkpoints, the same whatever the model: the plain stand-in trains them."""
+    stand_ins.install("plain", monkeypatch)
+
 
 WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 FLOOR = sharded_checkpoint.floor_problem()

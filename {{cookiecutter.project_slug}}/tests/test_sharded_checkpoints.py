@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import stand_ins
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args, wait_for
 from safetensors.torch import load_file
@@ -188,6 +189,8 @@ def test_a_removal_cut_short_leaves_a_partial_directory_never_a_checkpoint_with_
 
 
 def test_a_run_that_fails_with_a_write_in_flight_publishes_it_before_it_exits(tmp_path, monkeypatch, process_settings):
+    stand_ins.install("plain", monkeypatch)  # the loop's writes, the same whatever the model
+
     def slow_publish(partial, final, run_dir, keep_last, original=sharded_checkpoint.publish):
         time.sleep(1)  # step 4's write still in flight when step 5 fails
         original(partial, final, run_dir, keep_last)
@@ -230,8 +233,9 @@ def disk_full_for(step: int, writers: list):
 
 @pytest.mark.parametrize("failed, steps", [(2, 6), (4, 5)], ids=["at-the-next-save", "at-the-runs-end"])
 def test_a_background_write_that_fails_stops_the_run_and_nothing_after_it_is_published(
-    tmp_path, capsys, process_settings, failed, steps
+    tmp_path, capsys, monkeypatch, process_settings, failed, steps
 ):
+    stand_ins.install("plain", monkeypatch)  # the loop's writes, the same whatever the model
     # checkpoints every 2 steps, written in the background; step `failed`'s write meets a full disk.
     # The run goes on training while it writes, and the next save (step 4's, or the run's final one
     # at step 5) waits for it first: the run fails there, before writing anything after the gap

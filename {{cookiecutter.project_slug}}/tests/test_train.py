@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import dist_proofs
 import pytest
+import stand_ins
 import torch
 import yaml
 from conftest import (
@@ -132,7 +133,8 @@ def samples_a_step(record: dict) -> float:
 
 
 @pytest.mark.usefixtures("process_settings")
-def test_the_logged_speed_counts_every_micro_batch_of_a_step(tmp_path):
+def test_the_logged_speed_counts_every_micro_batch_of_a_step(tmp_path, monkeypatch):
+    stand_ins.install("plain", monkeypatch)  # the loop's log, the same whatever the model
     settings = [f"run.out_dir={tmp_path}", "run.tensorboard=false", "data.num_workers=0", "run.log_every=1"]
     cfg = config.load(SMOKE_CONFIG, [*settings, "train.max_steps=2", "train.grad_accum_steps=2", "data.batch_size=4"])
     assert train.run(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")) == 0
@@ -296,7 +298,8 @@ def test_cudnn_benchmark_follows_the_config(flag):
 
 
 @pytest.mark.usefixtures("process_settings")
-def test_optimizer_step_frees_the_gradients():
+def test_optimizer_step_frees_the_gradients(monkeypatch):
+    stand_ins.install("plain", monkeypatch)  # the loop's step, the same whatever the model
     cfg = config.load(SMOKE_CONFIG)
     job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
     task.loss_sum(job.model, next(iter(job.train_loader))).backward()

@@ -154,7 +154,7 @@ def build(cfg: Config, info: DistInfo) -> Job:
     raw_model, (train_set, eval_set) = dist.local_main_first(
         info, lambda: (task.build_model(cfg), loaders.datasets(cfg))
     )
-    workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
+    workers = loaders.resolve_workers(cfg.data, cpus.cpus_available(), info.local_world_size)
     train_loader, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     reference_loader = loaders.reference_loader(train_set, cfg, info, workers)  # task.reference_set, if any
     # on the CPU, before any transfer
@@ -344,7 +344,7 @@ def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistI
     total = torch.zeros((), device=info.device)
     for index, batch in enumerate(micro_batches):
         syncs = index == len(micro_batches) - 1  # the last micro-batch always reduces
-        with parallel.micro_batch(job.model, syncs, cfg, info):
+        with parallel.micro_batch(job.model, syncs, cfg.parallel, info):
             with autocast(cfg, info):
                 loss_sum = task.loss_sum(job.model, task.to_device(batch, info.device))
             job.state.scaler.scale(loss_sum * loss_scale).backward()

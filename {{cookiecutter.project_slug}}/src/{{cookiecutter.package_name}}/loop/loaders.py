@@ -22,7 +22,7 @@ from ..base.preemption import quiet_loader_worker
 from .samplers import ChunkOrderSampler, EvalBatches, ResumableSampler
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config import Config, DataConfig
 
 
 def datasets(cfg: Config) -> tuple[Dataset, Dataset]:
@@ -44,17 +44,17 @@ def workers_per_rank(cpus: int, local_world_size: int, cap: int) -> int:
     return max(0, min(cap, cpus // local_world_size - 1))
 
 
-def resolve_workers(cfg: Config, cpus: int, local_world_size: int) -> int:
+def resolve_workers(data: DataConfig, cpus: int, local_world_size: int) -> int:
     """data.num_workers, with auto sized from the CPUs this rank shares with its node."""
-    if cfg.data.num_workers == "auto":
-        return workers_per_rank(cpus, local_world_size, cfg.data.max_workers)
-    return cfg.data.num_workers
+    if data.num_workers == "auto":
+        return workers_per_rank(cpus, local_world_size, data.max_workers)
+    return data.num_workers
 
 
-def train_sampler(train_set: Dataset, cfg: Config, world_size: int, rank: int):
+def train_sampler(train_set: Dataset, seed: int, world_size: int, rank: int):
     """The training order: shuffled anew each epoch, or chunk by chunk for a pack read in its
     chunks (data.shards_order=chunks), whose training set carries the chunk layout."""
-    ranks = dict(num_replicas=world_size, rank=rank, seed=cfg.run.seed)
+    ranks = dict(num_replicas=world_size, rank=rank, seed=seed)
     if isinstance(train_set, packs.InChunks):
         return ChunkOrderSampler(train_set, train_set.chunks, **ranks)
     return ResumableSampler(train_set, shuffle=True, drop_last=True, **ranks)
@@ -73,11 +73,11 @@ def fork_can_hang(version=sys.version_info) -> bool:
     return fixed is not None and version[2] < fixed
 
 
-def worker_start(cfg: Config) -> str | None:
+def worker_start(data: DataConfig) -> str | None:
     """How loader workers start (data.worker_start); None: the platform's default, fork on Linux,
     which shares the dataset with the workers instead of pickling it to each."""
-    if cfg.data.worker_start != "auto":
-        return cfg.data.worker_start
+    if data.worker_start != "auto":
+        return data.worker_start
     return "forkserver" if sys.platform == "linux" and fork_can_hang() else None
 
 
@@ -92,11 +92,10 @@ def worker_context(start: str | None):
 
 def build_loaders(train_set: Dataset, eval_set: Dataset, cfg: Config, info: DistInfo, num_workers: int):
     """(train loader, eval loader); the train sampler is `train_loader.sampler`."""
-    sampler = train_sampler(train_set, cfg, info.world_size, info.rank)
+    sampler = train_sampler(train_set, cfg.run.seed, info.world_size, info.rank)
     # drop_last on the loader too: every rank runs the same number of full-size steps
-    train_loader = DataLoader(
-        train_set, sampler=sampler, batch_size=cfg.data.batch_size, drop_last=True, **common(cfg, info, num_workers)
-    )
+    shared = common(cfg.data, cfg.run.seed, info, num_workers)
+    train_loader = DataLoader(train_set, sampler=sampler, batch_size=cfg.data.batch_size, drop_last=True, **shared)
     return train_loader, evaluation_loader(eval_set, cfg, info, num_workers)
 
 
@@ -104,7 +103,7 @@ def evaluation_loader(dataset: Dataset, cfg: Config, info: DistInfo, num_workers
     """Every sample once, in batches that do not depend on the world size (samplers.EvalBatches,
     its `plan` says which batches a rank repeats)."""
     batches = EvalBatches(len(dataset), cfg.data.batch_size, info.world_size, info.rank)
-    return DataLoader(dataset, batch_sampler=batches, **common(cfg, info, num_workers))
+    return DataLoader(dataset, batch_sampler=batches, **common(cfg.data, cfg.run.seed, info, num_workers))
 
 
 def reference_loader(train_set: Dataset, cfg: Config, info: DistInfo, num_workers: int) -> DataLoader | None:
@@ -115,7 +114,7 @@ def reference_loader(train_set: Dataset, cfg: Config, info: DistInfo, num_worker
     return evaluation_loader(task.reference_set(cfg, train_set), cfg, info, num_workers)
 
 
-def common(cfg: Config, info: DistInfo, num_workers: int) -> dict:
+def common(data: DataConfig, seed: int, info: DistInfo, num_workers: int) -> dict:
     """What every loader of the run shares: the task's collate, the workers and how they start."""
     return dict(
         collate_fn=getattr(task, "collate", default_collate),
@@ -123,9 +122,9 @@ def common(cfg: Config, info: DistInfo, num_workers: int) -> dict:
         pin_memory=info.device.type == "cuda",
         persistent_workers=num_workers > 0,
         worker_init_fn=quiet_loader_worker,  # SLURM signals every process of the step; the rank handles it
-        prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,
-        multiprocessing_context=worker_context(worker_start(cfg)) if num_workers > 0 else None,
-        generator=own_rng(cfg, info),
+        prefetch_factor=data.prefetch_factor if num_workers > 0 else None,
+        multiprocessing_context=worker_context(worker_start(data)) if num_workers > 0 else None,
+        generator=own_rng(seed, info.rank),
     )
 
 
@@ -136,9 +135,9 @@ def describe_workers(loader: DataLoader) -> str:
     return f"{loader.num_workers}" + (f", started by {started}" if started else "")
 
 
-def worker_start_note(cfg: Config, loader: DataLoader) -> str | None:
+def worker_start_note(data: DataConfig, loader: DataLoader) -> str | None:
     """Why data.worker_start=auto chose a forkserver, when it did."""
-    if cfg.data.worker_start != "auto" or not loader.num_workers or loader.multiprocessing_context is None:
+    if data.worker_start != "auto" or not loader.num_workers or loader.multiprocessing_context is None:
         return None
     major, minor, micro = sys.version_info[:3]
     fixed = FORK_HANG_FIXED_IN.get((major, minor))
@@ -150,11 +149,11 @@ def worker_start_note(cfg: Config, loader: DataLoader) -> str | None:
     )
 
 
-def own_rng(cfg: Config, info: DistInfo) -> torch.Generator:
+def own_rng(seed: int, rank: int) -> torch.Generator:
     """A loader's own generator. Without one, every `iter(loader)` draws its workers' base seed
     from torch's global generator, so a resumed run's first `iter` would shift the random
     numbers after it (dropout masks) away from those of the run it continues."""
-    return torch.Generator().manual_seed(cfg.run.seed + info.rank)
+    return torch.Generator().manual_seed(seed + rank)
 
 
 def check_equal_lengths(num_batches: int, info: DistInfo) -> None:

@@ -31,7 +31,7 @@ from ..base.rules import ConfigError
 
 if TYPE_CHECKING:
     from ..base.dist import DistInfo
-    from ..config import Config, OptimConfig
+    from ..config import Config, OptimConfig, ParallelConfig
 
 FSDP_FLOOR = (2, 8)  # gloo refuses FSDP's averaging reduce-scatter (ReduceOp.AVG) before 2.8
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,13 +192,13 @@ def unreduced_parameters_named():
         raise
 
 
-def micro_batch(model: nn.Module, syncs: bool, cfg: Config, info: DistInfo):
+def micro_batch(model: nn.Module, syncs: bool, settings: ParallelConfig, info: DistInfo):
     """The context of one micro-batch's backward: only the last one of an optimizer step reduces
     gradients under DDP (no_sync before it), and under FSDP with parallel.reduce_every_micro_batch off
     (full gradients kept between micro-batches); with it on (the default) every micro-batch
     reduce-scatters, and gradients stay sharded between them."""
     if dist.sharded(model):
-        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)
+        model.set_requires_gradient_sync(syncs or settings.reduce_every_micro_batch)
         return nullcontext()
     return nullcontext() if syncs or not info.distributed else model.no_sync()
 

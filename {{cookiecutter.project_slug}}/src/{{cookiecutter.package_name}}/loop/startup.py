@@ -38,8 +38,8 @@ def report(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> 
         f"parameters {params:,}; {memory_line(cfg, info, job.model, job.units)}\n"
         f"{log.mfu_note()}\n" + (f"resumed from {resumed} at step {job.state.step}" if resumed else "starting fresh"),
     )
-    notes = hardware.precision_note(cfg.train.precision, info.device), loaders.worker_start_note(cfg, job.train_loader)
-    for note in notes:
+    workers_note = loaders.worker_start_note(cfg.data, job.train_loader)
+    for note in (hardware.precision_note(cfg.train.precision, info.device), workers_note):
         if note:
             dist.print0(info, note)
 

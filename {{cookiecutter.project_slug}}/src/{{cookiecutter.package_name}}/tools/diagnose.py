@@ -108,7 +108,7 @@ def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
 def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
     available = cpus.cpus_available()
     auto = loaders.workers_per_rank(available, ranks, cfg.data.max_workers)
-    workers = loaders.resolve_workers(cfg, available, ranks)
+    workers = loaders.resolve_workers(cfg.data, available, ranks)
     started = ranks * (workers + 1)
     verdict = PASS if started <= available else WARN
     rows = [

@@ -63,7 +63,7 @@ def evaluate(cfg: Config, info: DistInfo, payload: dict, out: Path, overrides: l
     if mismatch:
         raise ConfigError(f"the checkpoint holds another model than the settings build ({mismatch})")
     model.load_state_dict(payload["model"])
-    workers = loaders.resolve_workers(cfg, cpus.cpus_available(), info.local_world_size)
+    workers = loaders.resolve_workers(cfg.data, cpus.cpus_available(), info.local_world_size)
     _, eval_loader = loaders.build_loaders(train_set, eval_set, cfg, info, workers)
     reference = loaders.reference_loader(train_set, cfg, info, workers)  # task.reference_set's, if any
     # as training wraps it (device, compile), less SyncBatchNorm: evaluation uses running statistics
