@@ -47,7 +47,8 @@ class Mutant:
             raise SystemExit(f"{self.name}: the text to change occurs {text.count(self.old)} times in {self.path}")
         changed = text.replace(self.old, self.new)
         try:  # a change that breaks the syntax (a line's indentation cut) would be "caught" by collection errors
-            compile(changed, str(self.path), "exec")
+            if self.path.suffix == ".py":
+                compile(changed, str(self.path), "exec")
         except SyntaxError as err:
             raise SystemExit(f"{self.name}: the changed {self.path} does not compile ({err})") from None
         return changed
@@ -76,6 +77,24 @@ TRAIN, LOADERS, OPTIM, CHECKPOINT, DIST, SHARDING, SAMPLERS, SHARDED_CHECKPOINT,
         "data",
     )
 )
+EVALUATION, PREFLIGHT, BATCHING, ACROSS_RANKS, METRICS, SMOKE, LAUNCH, CONFIG, TYPED_CONFIG, EXPORT, DIAGNOSE = (
+    in_package(m)
+    for m in (
+        "loop/evaluation",
+        "loop/preflight",
+        "base/batching",
+        "base/across_ranks",
+        "loop/metrics",
+        "tools/smoke",
+        "tools/launch",
+        "config",
+        "base/typed_config",
+        "tools/export",
+        "tools/diagnose",
+    )
+)
+PREPARE = in_package("tools/prepare")
+LANGUAGE_MODEL = (("task", "language_model"),)
 ELASTIC_PROOF = (
     "tests/test_elastic.py::"
     "test_a_run_killed_mid_epoch_goes_on_on_3_ranks_and_on_1_with_the_uninterrupted_runs_global_batches"
@@ -124,8 +143,8 @@ MUTANTS = [
         "loader keeps the tail",
         "P8 drop_last in the loader",
         LOADERS,
-        "sampler=sampler, drop_last=True",
-        "sampler=sampler, drop_last=False",
+        "batch_size=cfg.data.batch_size, drop_last=True, **shared",
+        "batch_size=cfg.data.batch_size, drop_last=False, **shared",
     ),
     Mutant(
         "set_epoch not called",
@@ -152,7 +171,7 @@ MUTANTS = [
         "loss over local terms",
         "P16/P26 loss weighted by the global count",
         TRAIN,
-        "loss_scale = info.world_size / step_terms(local_terms, micro_batches, info)",
+        "loss_scale = info.world_size / step_terms(local_terms, len(micro_batches) * cfg.data.batch_size, info)",
         "loss_scale = 1 / local_terms",
     ),
     Mutant(
@@ -264,15 +283,15 @@ MUTANTS = [
         "RNG not restored",
         "exact resume: RNG state",
         CHECKPOINT,
-        "        set_rng_state(rngs[info.rank])\n",
+        "        set_rng_state(saved[rank])\n",
         "        pass\n",
     ),
     Mutant(
         "loader draws from the global RNG",
         "exact resume: RNG state",
         LOADERS,
-        "drop_last=True, generator=own_rng(cfg, info),",
-        "drop_last=True,",
+        "        generator=own_rng(seed, info.rank),\n",
+        "",
     ),
     Mutant(
         "mid-epoch position not skipped",
@@ -346,31 +365,31 @@ MUTANTS = [
     Mutant(
         "eval padding counted",
         "P26 every eval sample once",
-        TRAIN,
-        "real = real_sample_mask(position, size, info, len(loader.dataset), info.device)",
-        "real = torch.ones(size, dtype=torch.bool, device=info.device)",
+        EVALUATION,
+        "            kept = 0 if repeat else 1",
+        "            kept = 1",
     ),
     Mutant(
         "eval as a mean of per-rank means",
         "P26 exact global sums",
-        TRAIN,
-        '    return records.evaluation(task.metrics(reduced), int(reduced["samples"]))',
-        "    local = task.metrics(dict(zip(totals.names, totals.sums.tolist())))\n"
-        "    means = {name: dist.all_reduce_sum(torch.tensor(value, dtype=torch.float64)).item() / info.world_size"
-        " for name, value in local.items()}\n"
-        '    return records.evaluation(means, int(reduced["samples"]))',
+        EVALUATION,
+        '        results, samples = task.metrics(reduced), int(reduced["samples"])',
+        "        local = task.metrics(totals.local())\n"
+        "        results = {name: dist.all_reduce_sum(torch.tensor(value, dtype=torch.float64)).item()"
+        " / info.world_size for name, value in local.items()}\n"
+        '        samples = int(reduced["samples"])',
     ),
     Mutant(
         "eval in train mode",
         "P26 evaluation in eval mode",
-        TRAIN,
-        "    model.eval()\n    totals = Totals(info.device)",
-        "    totals = Totals(info.device)",
+        EVALUATION,
+        "    model.eval()\n    try:",
+        "    try:",
     ),
     Mutant(
         "eval on this rank's BatchNorm statistics",
         "P26 evaluate the weights the checkpoint saves",
-        TRAIN,
+        EVALUATION,
         "    dist.broadcast_buffers(model)\n",
         "",
         slow=("tests/test_train.py::test_evaluate_gives_a_checkpoint_the_metrics_its_training_run_logged",),
@@ -408,8 +427,8 @@ MUTANTS = [
         "fsdp no gradient sync on the last micro-batch",
         "FSDP reduces the step's gradients",
         SHARDING,
-        "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
-        "        model.set_requires_gradient_sync(not syncs and cfg.parallel.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(syncs or settings.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(not syncs and settings.reduce_every_micro_batch)",
         answers=FSDP,
     ),
     Mutant(
@@ -432,7 +451,7 @@ MUTANTS = [
         "parallel.reduce_every_micro_batch ignored",
         "parallel.reduce_every_micro_batch: sharded or whole gradients between micro-batches",
         SHARDING,
-        "        model.set_requires_gradient_sync(syncs or cfg.parallel.reduce_every_micro_batch)",
+        "        model.set_requires_gradient_sync(syncs or settings.reduce_every_micro_batch)",
         "        model.set_requires_gradient_sync(True)",
         answers=FSDP,
     ),
@@ -440,7 +459,7 @@ MUTANTS = [
         "fsdp settings not checked before the run",
         "parallel.cpu_offload and fp16 refused before any collective",
         TRAIN,
-        "        parallel.check(cfg, info.device)\n",
+        "    parallel.check(cfg, device)\n",
         "",
     ),
     Mutant(
@@ -504,7 +523,7 @@ MUTANTS = [
         "checkpoint settings not checked before the run",
         "checkpoint.async_save with full checkpoints refused before any collective",
         TRAIN,
-        "        checkpoint.check(config.to_dict(cfg))\n",
+        "    checkpoint.check(config.to_dict(cfg))\n",
         "",
     ),
     Mutant(
@@ -533,10 +552,9 @@ MUTANTS = [
     Mutant(
         "the starter's epoch not in shared memory",
         "per-epoch augmentation reaches persistent workers started by fork",
-        DATA,
+        BATCHING,
         "torch.zeros((), dtype=torch.int64).share_memory_()",
         "torch.zeros((), dtype=torch.int64)",
-        answers=IMAGE,
     ),
     Mutant(
         "a restart on the same world size drops the split",
@@ -599,8 +617,312 @@ MUTANTS = [
         "data.prefetch_factor ignored",
         "P9 prefetch_factor when workers > 0",
         LOADERS,
-        "        prefetch_factor=cfg.data.prefetch_factor if num_workers > 0 else None,",
+        "        prefetch_factor=data.prefetch_factor if num_workers > 0 else None,",
         "        prefetch_factor=2 if num_workers > 0 else None,",
+    ),
+    # every task shape through the seam (issue 49)
+    Mutant(
+        "a task's collate ignored",
+        "the seam: batches of any structure (task.collate)",
+        LOADERS,
+        '        collate_fn=getattr(task, "collate", default_collate),\n',
+        "        collate_fn=default_collate,\n",
+    ),
+    Mutant(
+        "evaluation batches dealt as DistributedSampler deals samples",
+        "evaluation batches that do not depend on the world size",
+        SAMPLERS,
+        "        mine = batches[rank::world_size]\n",
+        "        ours = list(range(rank, size, world_size))\n"
+        "        mine = [ours[i : i + batch_size] for i in range(0, len(ours), batch_size)]\n",
+        slow=("tests/test_seam.py::test_each_stand_ins_evaluation_is_the_same_on_one_two_and_three_ranks",),
+    ),
+    Mutant(
+        "dataset outputs joined in rank order",
+        "dataset-level metrics: each sample's output at its index",
+        EVALUATION,
+        "sorted((item for rank in gathered for item in rank), key=lambda item: item[0])",
+        "(item for rank in gathered for item in rank)",
+    ),
+    Mutant(
+        "a repeated batch's outputs kept",
+        "dataset-level metrics: each sample once",
+        EVALUATION,
+        "            if not repeat:\n                outputs.append(",
+        "            if True:\n                outputs.append(",
+        slow=("tests/test_seam.py::test_each_stand_ins_evaluation_is_the_same_on_one_two_and_three_ranks",),
+    ),
+    Mutant(
+        "dataset metrics not sent to every rank",
+        "dataset-level metrics: computed once, on every rank",
+        EVALUATION,
+        "    computed = dist.broadcast_object(computed) if info.distributed else computed",
+        "    computed = computed if info.is_main else {}",
+        slow=("tests/test_seam.py::test_each_stand_ins_evaluation_is_the_same_on_one_two_and_three_ranks",),
+    ),
+    Mutant(
+        "the gather's gradients not sent back to their ranks",
+        "losses across ranks: the differentiable gather",
+        ACROSS_RANKS,
+        "        torch_dist.all_reduce(grad)\n",
+        "",
+        slow=(
+            "tests/test_seam.py::"
+            "test_the_proofs_and_the_smoke_check_hold_on_two_ranks_for_a_model_that_needs_a_state_and_one_of_keywords",
+        ),
+    ),
+    Mutant(
+        "an undeclared gather not stopped",
+        "losses across ranks: LOSS_SPANS_RANKS checked at start-up",
+        PREFLIGHT,
+        "    _check_spans_ranks(bool(gathers))\n",
+        "",
+    ),
+    Mutant(
+        "the loss checked in eval mode at start-up",
+        "modes: loss_sum in train mode",
+        PREFLIGHT,
+        '_check_loss(wrapped.train(), _batch("train", *train))',
+        '_check_loss(wrapped.eval(), _batch("train", *train))',
+    ),
+    Mutant(
+        "the start-up check leaves the statistics it changed",
+        "the start-up check leaves no trace",
+        PREFLIGHT,
+        "                buffer.copy_(buffers[name])",
+        "                pass",
+    ),
+    Mutant(
+        "augmentation drawn without the epoch",
+        "randomness in the data: drawn from (seed, epoch, index)",
+        BATCHING,
+        "hash((self.seed, int(self.epoch), index))",
+        "hash((self.seed, 0, index))",
+    ),
+    Mutant(
+        "a read leaves the process's generators moved",
+        "randomness in the data: the process's own streams untouched",
+        BATCHING,
+        "            random.setstate(python)\n            np.random.set_state(numpy)\n",
+        "            pass\n",
+    ),
+    # the first hour on the README's path (issue 50)
+    Mutant(
+        "the launcher checks composition only",
+        "a config mistake is one line and exit 2 from every launcher",
+        LAUNCH,
+        '    train.check_settings(cfg, torch.device("cuda", 0) if visible_gpus() else torch.device("cpu"))',
+        "    pass",
+    ),
+    Mutant(
+        "the batch script starts its nodes unchecked",
+        "a config mistake is one line and exit 2 from every launcher",
+        Path("scripts") / "train.sbatch",
+        'python -m ddp_trainer.tools.launch check "${TRAIN[@]}"',
+        "true",
+        slow=("tests/test_sbatch.py",),
+    ),
+    Mutant(
+        "a stop before torchrun starts unhandled",
+        "a stop signal while the launcher starts ends it at once",
+        LAUNCH,
+        "        for sig in STOP_SIGNALS:  # before the slow imports: PID 1 of a container drops unhandled signals\n"
+        "            signal.signal(sig, stop_before_start)\n        if",
+        "        if",
+        slow=("tests/test_launch.py",),
+    ),
+    Mutant(
+        "a base applied again after the files given later",
+        "config files compose: a base once, at its place",
+        CONFIG,
+        "            if layer_path.resolve() in applied:\n                continue\n",
+        "",
+    ),
+    Mutant(
+        "an error without the file it came from",
+        "config errors name their file or override",
+        CONFIG,
+        '                raise typed_config.located(err, f"in {layer_path}", str(layer_path)) from None',
+        "                raise",
+    ),
+    Mutant(
+        "no closest key for a typo",
+        "config errors: did you mean",
+        TYPED_CONFIG,
+        "    near = difflib.get_close_matches(key, known, 1)\n    if near:",
+        "    near = []\n    if near:",
+    ),
+    Mutant(
+        "two spellings of a setting on one command line",
+        "config: one setting, one spelling on a command line",
+        CONFIG,
+        "        if earlier is not None and parse_override(earlier)[0] != key:",
+        "        if False:",
+    ),
+    Mutant(
+        "a missing extends target blamed on the file given",
+        "config errors name the missing extends target",
+        TYPED_CONFIG,
+        "    if not target.is_file():  # the file given exists: it is the one to fix",
+        "    if False:",
+    ),
+    Mutant(
+        "an empty section wipes its settings",
+        "config: a section named with nothing under it changes nothing",
+        TYPED_CONFIG,
+        "        if values is None:  # a section named with nothing under it changes nothing\n"
+        "            tree.setdefault(name, {})\n        elif",
+        "        if",
+    ),
+    Mutant(
+        "a renamed key on the command line advised as in a file",
+        "config: a renamed key on the command line named as such",
+        CONFIG,
+        "        typed = [item for item in where if item in self.overrides]",
+        "        typed = []",
+    ),
+    Mutant(
+        "the tests' run in the project's precision",
+        "the tests run fp32 on a CPU whatever the answers",
+        Path("configs") / "smoke.yaml",
+        "  precision: fp32",
+        "  precision: bf16",
+    ),
+    Mutant(
+        "the progress bar moves only at log steps",
+        "progress from the first step",
+        METRICS,
+        "        self.bar.update(1)\n",
+        "",
+    ),
+    Mutant(
+        "slow steps print nothing until a log step",
+        "progress from the first step",
+        METRICS,
+        "        if first_estimate or quiet:",
+        "        if first_estimate:",
+    ),
+    Mutant(
+        "the smoke estimate counts one micro-batch a step",
+        "the smoke check foresees its length",
+        SMOKE,
+        "seconds_per_pass * cfg.train.grad_accum_steps * steps",
+        "seconds_per_pass * steps",
+    ),
+    Mutant(
+        "the smoke check silent on a CPU about its plan",
+        "the smoke check says at once what it runs on a CPU and names the quick check",
+        SMOKE,
+        '    if info.device.type == "cuda" or quick:',
+        '    if info.device.type == "cuda":',
+    ),
+    Mutant(
+        "the smoke check's gradient passes in fp32 whatever the run",
+        "the smoke estimate times passes in the run's precision",
+        SMOKE,
+        "    with train.autocast(cfg, info):\n        loss = task.loss_sum(model, batch)\n"
+        "    loss.backward()\n    reduced",
+        "    loss = task.loss_sum(model, batch)\n    loss.backward()\n    reduced",
+    ),
+    Mutant(
+        "export --dtype ignored",
+        "every export option honoured",
+        EXPORT,
+        "fmt = export_weights(args.checkpoint, args.output, args.format, args.dtype)",
+        "fmt = export_weights(args.checkpoint, args.output, args.format)",
+    ),
+    Mutant(
+        "diagnose traces loss_sum in the model's own mode",
+        "modes: loss_sum in train mode (diagnose)",
+        DIAGNOSE,
+        "    model.train()  # the seam's contract: loss_sum sees train mode"
+        " (a detector returns its losses only there)\n",
+        "",
+    ),
+    Mutant(
+        "diagnose memory's refusal blames the config",
+        "a refusal says what it is",
+        DIAGNOSE,
+        '    prefix = "cannot estimate"',
+        '    prefix = "config error"',
+    ),
+    Mutant(
+        "diagnose memory adds the gradients into the weights",
+        "diagnose memory: weights, gradients, optimizer state and activations apart",
+        DIAGNOSE,
+        "share + (4 * params if whole_gradients else 0), optimizer",
+        "share, optimizer",
+    ),
+    Mutant(
+        "prepare tokenizes the evaluation text into training too",
+        "prepare --eval: the evaluation text out of the training tokens",
+        PREPARE,
+        "    tokens = token_ids(files, tokenizer).astype(dtype)",
+        "    tokens = token_ids([*files, *(eval_files or [])], tokenizer).astype(dtype)",
+        answers=LANGUAGE_MODEL,
+    ),
+    Mutant(
+        "prepare records no special tokens",
+        "the export's special-token ids are the data tokenizer's",
+        PREPARE,
+        '"special_tokens": special_tokens(tokenizer, vocabulary),',
+        '"special_tokens": {},',
+        answers=LANGUAGE_MODEL,
+    ),
+    # the features of issues 42-44 held on more than one rank (issue 51)
+    Mutant(
+        "the gradient norm logged as a sum over ranks",
+        "the logged gradient norm is the global one",
+        METRICS,
+        '"grad_norm": grad_norm_sum / (self.norms * self.info.world_size)',
+        '"grad_norm": grad_norm_sum / self.norms',
+        slow=("tests/test_train.py::test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch",),
+    ),
+    Mutant(
+        "the log window summed over ranks",
+        "the logged step time is the ranks' mean",
+        METRICS,
+        "elapsed = windows / self.info.world_size",
+        "elapsed = windows",
+    ),
+    Mutant(
+        "the logged speed counts one micro-batch a step",
+        "the logged samples count every micro-batch",
+        TRAIN,
+        "log.record(loss_sum, terms, accum * cfg.data.batch_size, grad_norm)",
+        "log.record(loss_sum, terms, cfg.data.batch_size, grad_norm)",
+    ),
+    Mutant(
+        "a sharded checkpoint of the previous layout read as it is",
+        "previous-layout checkpoints of every format load with their renames",
+        CHECKPOINT,
+        '    if "config" in payload:  # written before',
+        '    if "config" in payload and not payload.get("sharded"):  # written before',
+    ),
+    Mutant(
+        "the settings as given not upgraded",
+        "previous-layout checkpoints: the settings as given renamed too",
+        CHECKPOINT,
+        'payload["asked"] = upgrade(payload["asked"])[0]',
+        'payload["asked"] = payload["asked"]',
+    ),
+    Mutant(
+        "a checkpoint keeps rank 0's generators only",
+        "each rank's generators resume exactly",
+        CHECKPOINT,
+        'payload = state.state_dict() | {"rng": rng_per_rank,',
+        'payload = state.state_dict() | {"rng": rng_per_rank[:1],',
+        slow=(
+            "tests/test_resume.py::"
+            "test_a_2_rank_run_whose_forward_draws_random_numbers_resumes_bit_identical_on_each_ranks_generators",
+        ),
+    ),
+    Mutant(
+        "new ranks seeded alike on a resume on more ranks",
+        "a resume on more ranks: each new rank its own generators",
+        CHECKPOINT,
+        "dist.seed_everything(seed + rank)",
+        "dist.seed_everything(seed)",
     ),
 ]
 

@@ -7,8 +7,10 @@ the rest) that go side by side; the rest with `--fsdp`, so that its MLP with Bat
 through the FSDP proofs, drills and smoke check a ddp project skips, but for the 3-rank proofs,
 which the language model runs. One project with the other answers (fp16, accumulation,
 compile, no SLURM, Kubernetes) runs the fast tier, which holds what those answers change (the
-maths proofs, the unit tests, the manifests checked offline), and its Kubernetes drills (pods on
-loopback under each operator's environment, SIGTERM to PID 1 within the grace period); the bake
+settings' defaults, the launchers, the manifests checked offline; the tests' own run stays fp32,
+uncompiled, ddp and one micro-batch a step on a CPU, and the tests of those name them), and its
+Kubernetes drills (pods on loopback under each operator's environment, SIGTERM to PID 1 within
+the grace period); the bake
 matrix in test_bake.py lints every other combination. The starters run the fast tier plus their
 own slow tests (`pytest --task`), less the generic drills, loop wiring and stand-in seam tests the
 defaults project already runs: the language model's real-text training and sampling, the image

@@ -3,7 +3,9 @@
 import contextlib
 import functools
 import pickle
+import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import SMOKE_CONFIG
@@ -258,6 +260,30 @@ def test_a_training_sample_reads_the_same_every_time_and_the_same_in_any_process
             f"training sample {index} reads differently each time: draw its random augmentation through "
             "base.batching.SeededSamples (docs/your-model-and-data.md, Randomness)"
         )
+
+
+class Drawn(Dataset):
+    """Sample i: what torch's, numpy's and Python's global generators give, as an augmentation draws."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple:
+        return torch.rand(()).item(), float(np.random.rand()), random.random()
+
+
+def test_seeded_samples_draw_from_the_seed_epoch_and_index_and_leave_the_process_generators_alone():
+    seeded = batching.SeededSamples(Drawn(), seed=7)
+    torch.manual_seed(0)
+    state = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+    first = seeded[3]
+    assert torch.equal(torch.get_rng_state(), state[0]) and (np.random.get_state()[1] == state[1]).all()
+    assert random.getstate() == state[2]  # the process's own streams: untouched
+    assert seeded[3] == first and seeded[4] != first  # the same every read; another sample, other draws
+    assert seeded.epoch.is_shared()  # set_epoch reaches persistent loader workers however they start
+    seeded.set_epoch(1)
+    assert seeded[3] != first  # a new epoch draws anew
+    assert batching.SeededSamples(Drawn(), seed=8)[3] != first
 
 
 def test_first_samples_collate_like_the_loader_without_touching_the_sampler():

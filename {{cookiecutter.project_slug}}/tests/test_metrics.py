@@ -12,7 +12,7 @@ from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import Throughput
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
-from {{ cookiecutter.package_name }}.loop import metrics, profiling
+from {{ cookiecutter.package_name }}.loop import evaluation, metrics, profiling
 from {{ cookiecutter.package_name }}.loop.evaluation import Totals
 from {{ cookiecutter.package_name }}.loop.metrics import TrainingLog
 from {{ cookiecutter.package_name }}.loop.profiling import StepClock
@@ -26,6 +26,20 @@ def test_evaluation_batches_count_each_sample_once_in_the_same_batches_on_any_wo
     assert len({len(plan) for plan in plans}) == 1  # as many batches on every rank: a sharded model gathers in each
     counted = [tuple(indices) for plan in plans for indices, repeat in plan if not repeat]
     assert sorted(counted) == [tuple(range(start, min(start + 16, size))) for start in range(0, size, 16)]
+
+
+@pytest.mark.parametrize("form", ["list", "dict"])
+def test_outputs_gathered_from_the_ranks_reach_the_metric_in_dataset_order(monkeypatch, form):
+    """Rank r evaluated batches r, r + W, ...: rank 0 joins them so that outputs[i] is sample i's."""
+    size, world = 23, 3
+    plans = [EvalBatches(size, 4, world, rank).plan for rank in range(world)]
+    kept = [  # what each rank's run_over keeps: (first index, the batch's outputs), repeats left out
+        [(ids[0], ids if form == "list" else {"index": torch.tensor(ids)}) for ids, repeat in plan if not repeat]
+        for plan in plans
+    ]
+    monkeypatch.setattr(evaluation.dist, "gather_to_main", lambda outputs: kept)  # rank 0's view of the gather
+    joined = evaluation.in_dataset_order(kept[0], size, DistInfo(0, 0, world, world, torch.device("cpu"), "gloo"))
+    assert (joined if form == "list" else joined["index"].tolist()) == list(range(size))
 
 
 def test_totals_accumulate_in_float64():

@@ -97,6 +97,42 @@ def test_the_weighting_proof_names_the_setting_a_routed_model_needs_instead_of_a
     assert "other ranks' do not" in found["strategy=fsdp"] and "pytorch#158719" in found["strategy=fsdp"]
 
 
+def start_up_pieces(cfg):
+    datasets = task.build_datasets(cfg)
+    return list(zip(datasets, loaders.build_loaders(*datasets, cfg, WORLD_OF_ONE, 0), strict=True))
+
+
+def test_the_start_up_check_calls_each_function_in_its_mode_and_leaves_no_trace(monkeypatch):
+    install("detector", monkeypatch)  # losses in train mode only, detections in eval mode only
+    cfg = config.load(SMOKE_CONFIG, QUICK)
+    model = task.build_model(cfg)
+    model.register_buffer("statistic", torch.zeros(()))
+    loss_sum = task.loss_sum
+
+    def counts_in_its_forward(model, batch):  # as BatchNorm updates its running statistics in train mode
+        unwrap(model).statistic += 1
+        return loss_sum(model, batch)
+
+    monkeypatch.setattr(task, "loss_sum", counts_in_its_forward)
+    before, generator = {k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state()
+    preflight.check_task(model.eval(), *start_up_pieces(cfg))  # built in eval mode, as from_pretrained returns
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), generator) and not model.training
+
+
+def test_a_loss_that_gathers_other_ranks_rows_must_say_so_and_one_that_says_so_must_gather(monkeypatch):
+    install("contrastive", monkeypatch)
+    cfg = config.load(SMOKE_CONFIG, QUICK)
+    preflight.check_task(task.build_model(cfg), *start_up_pieces(cfg))
+    monkeypatch.setattr(task, "LOSS_SPANS_RANKS", False)
+    with pytest.raises(preflight.TaskError, match="calls gather_from_ranks, but task.LOSS_SPANS_RANKS is not True"):
+        preflight.check_task(task.build_model(cfg), *start_up_pieces(cfg))
+    install("keyword", monkeypatch)
+    monkeypatch.setattr(task, "LOSS_SPANS_RANKS", True, raising=False)
+    with pytest.raises(preflight.TaskError, match="LOSS_SPANS_RANKS is True, but task.loss_sum never called"):
+        preflight.check_task(task.build_model(cfg), *start_up_pieces(cfg))
+
+
 def test_unwrap_reaches_the_module_under_ddp_and_compile():
     module = Recurrent()
     assert unwrap(module) is module and unwrap(torch.compile(module)) is module
