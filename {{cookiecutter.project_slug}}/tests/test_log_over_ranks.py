@@ -7,7 +7,7 @@ gradient norm (slow tier)."""
 
 import pytest
 import torch
-from test_metrics import VirtualTime
+from test_metrics import VirtualTime, two_timed_steps
 
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import metrics, profiling
@@ -33,16 +33,7 @@ def test_a_window_held_alike_by_every_rank_logs_one_ranks_norm_time_split_and_ev
     virtual = same_window_on_every_rank
     info = DistInfo(0, 0, WORLD, WORLD, torch.device("cpu"), "gloo")
     log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0)
-    clock = StepClock(info.device)
-    for grad_norm in (3.0, 5.0):  # the norm clipping found: the same on every rank
-        with clock.data_wait:
-            virtual.sleep(0.02)
-        with clock.fwd_bwd:
-            virtual.sleep(0.06)
-        with clock.optimizer:
-            virtual.sleep(0.005)
-        log.record(torch.tensor(4.0), terms=2.0, samples=2, grad_norm=torch.tensor(grad_norm))
-        virtual.sleep(0.003)
+    clock = two_timed_steps(log, StepClock(info.device), virtual)
     record = log.flush(step=2, epoch=0, lr=0.1, seconds=clock.read(), stop_requested=False).record
     assert record["grad_norm"] == 4.0  # the window's mean, not its sum over ranks
     assert record["loss"] == 2.0  # every rank's loss over every rank's terms

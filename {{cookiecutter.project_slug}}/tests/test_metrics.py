@@ -76,15 +76,11 @@ class VirtualTime:
         self.now += seconds
 
 
-def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path, capsys, monkeypatch):
-    virtual = VirtualTime()
-    monkeypatch.setattr(metrics, "time", virtual)
-    monkeypatch.setattr(profiling, "time", virtual)
-    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-    board = RecordingBoard()
-    log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0, board=board)
-    clock = StepClock(info.device)
-    for grad_norm in (3.0, 5.0):  # as train_one_epoch times a step
+def two_timed_steps(log: TrainingLog, clock: StepClock, virtual: VirtualTime) -> StepClock:
+    """Two steps as train_one_epoch times them, on the virtual clock: data 20 ms, forward and
+    backward 60, optimizer 5, and 3 outside every phase (the loop's own time); loss sum 4 over
+    2 terms, 2 samples, gradient norms 3 and 5. Returns the clock."""
+    for grad_norm in (3.0, 5.0):
         with clock.data_wait:
             virtual.sleep(0.02)
         with clock.fwd_bwd:
@@ -92,7 +88,18 @@ def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path,
         with clock.optimizer:
             virtual.sleep(0.005)
         log.record(torch.tensor(4.0), terms=2.0, samples=2, grad_norm=torch.tensor(grad_norm))
-        virtual.sleep(0.003)  # outside every phase: the loop's own time
+        virtual.sleep(0.003)
+    return clock
+
+
+def test_each_log_window_splits_the_step_time_and_reaches_every_output(tmp_path, capsys, monkeypatch):
+    virtual = VirtualTime()
+    monkeypatch.setattr(metrics, "time", virtual)
+    monkeypatch.setattr(profiling, "time", virtual)
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
+    board = RecordingBoard()
+    log = TrainingLog(info, tmp_path / "metrics.jsonl", total_steps=2, first_step=0, board=board)
+    clock = two_timed_steps(log, StepClock(info.device), virtual)
     window = log.flush(step=2, epoch=0, lr=0.1, seconds=clock.read(), stop_requested=False)
     record = window.record
     assert record["loss"] == 2.0 and record["start_step"] == 0 and record["kind"] == "train"
