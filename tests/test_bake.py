@@ -125,6 +125,8 @@ PACKAGE_FILES = {
     "loop/profiling.py",
     "loop/samplers.py",
     "loop/sharded_checkpoint.py",
+    "loop/startup.py",
+    "loop/state.py",
     "loop/tensorboard.py",
     "loop/tracking.py",
     "model.py",
