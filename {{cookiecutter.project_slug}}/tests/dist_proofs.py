@@ -523,8 +523,18 @@ def prove_wrapping(overrides: list[str], info: DistInfo) -> dict:
     }
 
 
+def uneven_batch(size: int, batch_size: int) -> int:
+    """The largest batch size up to `batch_size` that cuts `size` samples into a number of batches
+    neither 2 nor 3 ranks split evenly, so that some rank repeats a batch (not counted), whatever the
+    world size the proof runs on: the same batches on 1, 2 and 3 ranks."""
+    fits = [b for b in range(batch_size, 0, -1) if -(-size // b) % 2 and -(-size // b) % 3]
+    return fits[0] if fits else batch_size
+
+
 def prove_eval_counts(overrides: list[str], info: DistInfo) -> dict:
     cfg = config.load(SMOKE, [*overrides, "data.num_workers=0"])
+    batch = uneven_batch(len(loaders.datasets(cfg)[1]), cfg.data.batch_size)
+    cfg = config.load(SMOKE, [*overrides, "data.num_workers=0", f"data.batch_size={batch}"])
     dist.seed_everything(cfg.run.seed)
     model = task.build_model(cfg)
     train_set, eval_set = loaders.datasets(cfg)
