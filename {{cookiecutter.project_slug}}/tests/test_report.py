@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import yaml
-from conftest import PACKAGE, read_metrics, run, train_args
+from conftest import PACKAGE, SMOKE_CONFIG, read_metrics, run, train_args
 
-from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.tools import report
 
@@ -93,4 +93,6 @@ def test_report_of_a_real_run_matches_its_metrics(tmp_path):
     assert f"| mean throughput | {mean_throughput:,.0f} samples/s |" in text
     summary = next(r["summary"] for r in records if "summary" in r)
     assert f"| wall time | {summary['wall_s']:.1f} s |" in text
-    assert "| train.precision | `bf16` |" in text and "| data.batch_size | `16` |" in text
+    cfg = config.load(SMOKE_CONFIG)  # the run's settings: the tests' run
+    assert f"| train.precision | `{cfg.train.precision}` |" in text
+    assert f"| data.batch_size | `{cfg.data.batch_size}` |" in text

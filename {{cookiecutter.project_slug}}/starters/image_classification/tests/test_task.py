@@ -49,7 +49,7 @@ def test_the_seam_sums_the_loss_and_counts_top1_and_top5_per_image(tree):
     preflight.check_task(net, (train_set, train_loader), (eval_set, eval_loader))
     images, labels = batch = batching.first_samples(eval_set, eval_loader, 4)
     assert images.shape == (4, 3, 32, 32) and labels.tolist() == [0, 0, 0, 1]  # classes: sorted folder names
-    assert train_set.folder.classes == eval_set.classes == list(shapes.SHAPES)
+    assert train_set.dataset.classes == eval_set.classes == list(shapes.SHAPES)  # an ImageFolder in SeededSamples
     net.eval()
     mean = torch.nn.functional.cross_entropy(net(images), labels)
     assert torch.allclose(task.loss_sum(net, batch), 4 * mean) and task.count_terms(batch) == 4
