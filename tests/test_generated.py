@@ -1,23 +1,23 @@
 """Representative baked projects pass their own test suites.
 
 The defaults project runs every tier (`pytest --slow`: the maths proofs, fault drills,
-launchers, the swaps, the seam's contract on three stand-in models), split in four runs (the
+launchers, the swaps, the seam's contract on five stand-in models), split in five runs (the
 drills, the exit-status stress drill, the W&B and MLflow drills with the packed-shards drills,
-the rest) that go side by side; the rest with `--fsdp`, so that its MLP with BatchNorm goes
-through the FSDP proofs, drills and smoke check a ddp project skips, but for the 3-rank proofs,
-which the language model runs. One project with the other answers (fp16, accumulation,
-compile, no SLURM, Kubernetes) runs the fast tier, which holds what those answers change (the
-settings' defaults, the launchers, the manifests checked offline; the tests' own run stays fp32,
-uncompiled, ddp and one micro-batch a step on a CPU, and the tests of those name them), and its
-Kubernetes drills (pods on loopback under each operator's environment, SIGTERM to PID 1 within
-the grace period); the bake
-matrix in test_bake.py lints every other combination. The starters run the fast tier plus their
-own slow tests (`pytest --task`), less the generic drills, loop wiring and stand-in seam tests the
+the task shapes: the stand-ins and the swaps, the rest) that go side by side; the rest and the
+shapes with `--fsdp`, so that its MLP with BatchNorm goes through the FSDP proofs, drills and
+smoke check a ddp project skips, but for the 3-rank proofs, which the language model runs. One
+project with the other answers (fp16, accumulation, compile, no SLURM, Kubernetes) runs the fast
+tier, which holds what those answers change (the settings' defaults, the launchers, the
+manifests checked offline; the tests' own run stays fp32, uncompiled, ddp and one micro-batch a
+step on a CPU, and the tests of those name them), and its Kubernetes drills (pods on loopback
+under each operator's environment, SIGTERM to PID 1 within the grace period); the bake matrix in
+test_bake.py lints every other combination. The starters run the fast tier plus their own slow
+tests (`pytest --task`), less the generic drills, loop wiring and stand-in seam tests the
 defaults project already runs: the language model's real-text training and sampling, the image
 classifier's ResNet-18 learning the drawn shapes from JPEG files to 0.9 top-1 (its FSDP runs are
-the defaults' MLP with BatchNorm and the language model's, a project that shards). The language model is baked with
-strategy=fsdp, the way a project that shards runs its suite: the FSDP proofs on its tied
-embedding on 2 ranks and 3, and smoke.sh under fsdp.
+the defaults' MLP with BatchNorm and the language model's, a project that shards). The language
+model is baked with strategy=fsdp, the way a project that shards runs its suite: the FSDP proofs
+on its tied embedding on 2 ranks and 3, and smoke.sh under fsdp.
 """
 
 import os
@@ -34,6 +34,8 @@ EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to 
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
 SHARDS = "tests/test_packs.py"  # packed shards: a folder and an S3-compatible server on loopback
 SEAM = "--ignore=tests/test_seam.py"  # the stand-in tasks replace the seam: the same tests in every project
+# every task shape through the seam: the stand-ins (test_seam.py) and the worked swaps (test_swaps.py)
+SHAPES = ["tests/test_seam.py", "tests/test_swaps.py"]
 # the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp
 FSDP_ELSEWHERE = "fsdp_proofs_hold_on_three_ranks"
 # the task's slow tests that are not the task's own: evaluation counts and resume, which the
@@ -79,9 +81,10 @@ REPRESENTATIVE = {
             "--fsdp",
             "-k",
             f"not ({FSDP_ELSEWHERE})",
-            *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS, SHARDS]),
+            *(f"--ignore={path}" for path in [*DRILLS, EXITS, TRACKERS, SHARDS, *SHAPES]),
         ],
     ),
+    "defaults-shapes": ({}, ["--slow", "--fsdp", *SHAPES]),
     "defaults-trackers-shards": ({}, ["--slow", TRACKERS, SHARDS]),
     "image-classification": ({"task": "image_classification"}, IMAGE_TESTS),
     "defaults-drills": ({}, ["--slow", *DRILLS]),
