@@ -27,6 +27,7 @@ from torch.utils.data import Subset
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.loop import parallel
 from {{ cookiecutter.package_name }}.tools import smoke
 
 SCRIPTS = PROJECT / "scripts"
@@ -92,8 +93,9 @@ def test_scripts_resolve_a_relative_config_and_out_dir_where_they_are_run(tmp_pa
 
 
 TYPO = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
-FP16_UNDER_FSDP = (
-    "config error: train.precision: fp16 under parallel.strategy=fsdp would let each rank skip its own overflowing "
+FP16_UNDER_FSDP = "config error: " + (
+    parallel.floor_problem()  # a torch below the fsdp floor refuses the strategy first
+    or "train.precision: fp16 under parallel.strategy=fsdp would let each rank skip its own overflowing "
     "steps (GradScaler sees only its shard): use bf16 (or fp32), or parallel.strategy=ddp"
 )
 
