@@ -591,6 +591,25 @@ def drift_causes(overrides: list[str]) -> list[str]:
     """What probes of the task find that makes one process's gradient differ from the loop's: a
     mean where the loop needs a sum (the batch given twice has the same loss, not twice it), or
     state the forward changes beyond BatchNorm's statistics (which each side then sees otherwise)."""
+    ratio, changed = probe_task(overrides)
+    causes = []
+    if abs(ratio - 1) < 0.25:
+        causes.append(
+            f"task.loss_sum looks like a mean: the same samples given twice gave {ratio:.2f} times their loss, "
+            "where a sum gives 2 (multiply a mean by count_terms(batch))"
+        )
+    if changed:
+        causes.append(
+            f"the forward changes the model's state ({', '.join(changed[:3])}): the loop's ranks and the reference "
+            "see it at other points; keep such state out of the forward the proofs run"
+        )
+    return causes
+
+
+def probe_task(overrides: list[str]) -> tuple[float, list[str]]:
+    """The loss of 4 samples given twice over their loss given once (2 for a sum of per-sample terms;
+    other values where terms see each other, e.g. contrastive negatives), and the buffers other than
+    BatchNorm's statistics that the forward changed."""
     cfg = config.load(SMOKE, [*EXACT_MATHS, *overrides])
     model = task.build_model(cfg).train()
     train_set, eval_set = loaders.datasets(cfg)
@@ -606,23 +625,12 @@ def drift_causes(overrides: list[str]) -> list[str]:
     with torch.no_grad(), as_one_process():
         once = float(seeded_loss_sum(model, collate(samples), 0, 0, 0))
         twice = float(seeded_loss_sum(model, collate(samples + samples), 0, 0, 0))
-    causes = []
-    if once and abs(twice / once - 1) < 0.25:
-        causes.append(
-            f"task.loss_sum looks like a mean: the same samples given twice gave {twice / once:.2f} times their loss, "
-            "where a sum gives 2 (multiply a mean by count_terms(batch))"
-        )
     changed = [
         name
         for name, buffer in model.named_buffers()
         if name not in statistics and (name not in before or not torch.equal(buffer, before[name]))
     ]
-    if changed:
-        causes.append(
-            f"the forward changes the model's state ({', '.join(changed[:3])}): the loop's ranks and the reference "
-            "see it at other points; keep such state out of the forward the proofs run"
-        )
-    return causes
+    return (twice / once if once else float("nan")), changed
 
 
 def sharded_verdicts(results: dict) -> list[checks.Row]:

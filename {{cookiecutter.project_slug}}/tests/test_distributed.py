@@ -84,12 +84,22 @@ def test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_
     assert failed.endswith("(6 steps); task.loss_sum looks like a mean")
 
 
-def test_the_probes_find_a_mean_where_the_loop_needs_a_sum_and_state_a_forward_keeps(monkeypatch):
+def test_the_probes_find_a_mean_where_the_loop_needs_a_sum(monkeypatch):
     assert dist_proofs.drift_causes([]) == []  # the project's task: a sum, no state
+    ratio, _ = dist_proofs.probe_task([])
+    if abs(ratio - 2) > 0.25:
+        pytest.skip(
+            f"task.loss_sum of 4 samples given twice is {ratio:.2f} times their loss, not 2: its terms see each "
+            "other (contrastive negatives, a batch-level loss), so this probe cannot tell a mean; the proofs still do"
+        )
     loss_sum = task.loss_sum
     monkeypatch.setattr(task, "loss_sum", lambda model, batch: loss_sum(model, batch) / task.count_terms(batch))
     (cause,) = dist_proofs.drift_causes([])
     assert cause.startswith("task.loss_sum looks like a mean: the same samples given twice gave 1.00 times")
+
+
+def test_the_probes_find_state_a_forward_keeps(monkeypatch):
+    loss_sum = task.loss_sum
 
     def counts_its_calls(model, batch):
         model.register_buffer("calls", getattr(model, "calls", torch.zeros(())) + 1)  # state the forward keeps

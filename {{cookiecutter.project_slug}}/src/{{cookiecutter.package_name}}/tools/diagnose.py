@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -397,10 +398,22 @@ def memory_estimate(cfg: Config, ranks: int, gpu_gb: float, build=None) -> str:
             return memory_report(cfg, model, batch, ranks, gpu_gb)
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         raise CannotEstimate(
-            f"the model's forward reads its data's values ({type(error).__name__}; a routed model's choice of experts "
-            "does), which diagnose memory's trace on fake tensors cannot follow; measure it instead: the smoke check's "
-            "peak memory per device, on the GPUs"
+            f"the model's forward or task.loss_sum reads its data's values ({type(error).__name__}{seam_line(error)}; "
+            "a routed model's choice of experts does), which diagnose memory's trace on fake tensors cannot follow; "
+            "measure it instead: the smoke check's peak memory per device, on the GPUs"
         ) from None
+
+
+def seam_line(error: BaseException) -> str:
+    """Where the user's code stands last on `error`'s traceback, as " at task.py:57" (the line that
+    reads a value): torch's frames and this package's own loop are passed over; "" when none is left."""
+    passed = (Path(torch.__file__).parent, *(Path(task.__file__).parent / part for part in ("base", "loop", "tools")))
+    lines = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not any(folder in Path(frame.filename).parents for folder in passed)
+    ]
+    return f" at {Path(lines[-1].filename).name}:{lines[-1].lineno}" if lines else ""
 
 
 def on_fake_cpu(model: torch.nn.Module) -> None:
