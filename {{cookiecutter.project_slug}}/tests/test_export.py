@@ -2,6 +2,7 @@
 Hugging Face folder; each of its options is held here by a test that fails when it is ignored."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -26,6 +27,12 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes: equal bits, not merely equal values (-0.0 == 0.0, NaN != NaN)."""
     return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def trained_looking_state(cfg, model: nn.Module, step: int) -> TrainState:
@@ -56,6 +63,7 @@ def test_safetensors_export_round_trips_bit_identically(tmp_path):
     cfg, model, path = saved_checkpoint(tmp_path)
     output = tmp_path / "model.safetensors"
     assert export.export_weights(path, output) == "safetensors"  # chosen by the suffix
+    assert output.stat().st_mode & 0o777 == 0o666 & ~umask()  # shareable as any new file (safetensors writes 0600)
     fresh = build_model(cfg)
     fresh.load_state_dict(load_file(output))  # strict: the same names, nothing extra or missing
     for name, tensor in model.state_dict().items():
@@ -236,6 +244,7 @@ def test_huggingface_export_honours_dtype_and_names_the_tokenizers_special_token
         exported = tmp_path / dtype
         assert export.main([str(path), str(exported), "--format", "huggingface", "--dtype", dtype]) == 0
         weights = load_file(exported / "model.safetensors")
+        assert (exported / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask()
         assert "lm_head.weight" not in weights  # the tied matrix, stored once
         assert {tensor.dtype for tensor in weights.values()} == {cast}, dtype
         assert torch.equal(weights["model.embed_tokens.weight"], model.model.embed_tokens.weight.to(cast))

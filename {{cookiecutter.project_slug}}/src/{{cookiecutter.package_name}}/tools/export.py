@@ -86,6 +86,8 @@ def export_huggingface(target: str | Path, output: str | Path, dtype: str | None
     if dtype is not None:
         model.to(DTYPES[dtype])
     model.save_pretrained(output)  # config.json, generation_config.json, model.safetensors: a tied weight once
+    for weights in Path(output).glob("*.safetensors"):
+        readable_as_new(weights)
     if tokenizer is not None:
         from transformers import PreTrainedTokenizerFast
 
@@ -165,6 +167,15 @@ def save_safetensors(payload: dict, output: str | Path) -> None:
         "torch_version": torch.__version__,  # of the export; the checkpoint does not record training's
     }
     save_file(unshared(payload["model"]), str(output), metadata=metadata)
+    readable_as_new(output)
+
+
+def readable_as_new(path: str | Path) -> None:
+    """The mode any new file gets here (0o666 less the umask): safetensors writes its files owner-only,
+    and an export is made to be shared."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def unshared(weights: dict) -> dict:
