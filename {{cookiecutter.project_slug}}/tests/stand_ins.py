@@ -1,4 +1,4 @@
-"""Three stand-in tasks that the suite installs in place of the project's seam, to hold the seam's
+"""Stand-in tasks that the suite installs in place of the project's seam, to hold the seam's
 contract whatever model the project trains: the loop, every test and helper, the smoke check,
 `diagnose` and the proofs reach the model only through the task's functions, pass its arguments
 through unchanged, and the task reads its module's attributes through samples.unwrap.
