@@ -746,6 +746,13 @@ MUTANTS = [
         "                raise",
     ),
     Mutant(
+        "a check's error without where its setting was given",
+        "config errors name their file or override: settings that do not fit together too",
+        TRAIN,
+        "        raise (sources.located(err) if sources else err) from None",
+        "        raise err from None",
+    ),
+    Mutant(
         "no closest key for a typo",
         "config errors: did you mean",
         TYPED_CONFIG,

@@ -288,6 +288,22 @@ def test_every_error_names_the_file_or_the_override_it_came_from(tmp_path):
         config.load([paths["first"]], ["data.batch_size=-3"])
 
 
+def test_a_check_of_the_settings_names_where_the_setting_it_blames_was_given(tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("checkpoint:\n  async_save: true\n  format: full\n")
+    problem = "checkpoint.async_save: writes sharded checkpoints in the background; set checkpoint.format=sharded"
+    cpu = torch.device("cpu")
+    for overrides, origin in (([], f"in {mine}"), (["checkpoint.async_save=true"], "from the command line's ")):
+        cfg, sources = config.compose([SMOKE_CONFIG, mine], overrides)
+        with pytest.raises(ConfigError) as raised:
+            train.check_settings(cfg, cpu, sources)
+        assert str(raised.value).startswith(problem) and f"checkpoint.async_save=false ({origin}" in str(raised.value)
+    cfg, sources = config.compose([SMOKE_CONFIG, mine], preset=["checkpoint.async_save=true"])
+    with pytest.raises(ConfigError) as raised:  # a tool's own setting (the smoke check's): no place to name
+        train.check_settings(cfg, cpu, sources)
+    assert str(raised.value).endswith("or checkpoint.async_save=false")
+
+
 @pytest.mark.parametrize(
     ("override", "hint"),
     [

@@ -94,9 +94,11 @@ def test_scripts_resolve_a_relative_config_and_out_dir_where_they_are_run(tmp_pa
 
 TYPO = "config error: optim.lrr: unknown key; did you mean optim.lr? (from the command line's optim.lrr=1)"
 FP16_UNDER_FSDP = "config error: " + (
-    parallel.floor_problem()  # a torch below the fsdp floor refuses the strategy first
-    or "train.precision: fp16 under parallel.strategy=fsdp would let each rank skip its own overflowing "
-    "steps (GradScaler sees only its shard): use bf16 (or fp32), or parallel.strategy=ddp"
+    f"{parallel.floor_problem()} (from the command line's parallel.strategy=fsdp)"
+    if parallel.floor_problem()  # a torch below the fsdp floor refuses the strategy first
+    else "train.precision: fp16 under parallel.strategy=fsdp would let each rank skip its own overflowing "
+    "steps (GradScaler sees only its shard): use bf16 (or fp32), or parallel.strategy=ddp "
+    "(from the command line's train.precision=fp16)"
 )
 
 

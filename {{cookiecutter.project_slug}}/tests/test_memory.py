@@ -50,7 +50,9 @@ def traced_on_fake_tensors():
             diagnose.main(["memory", "--config", SMOKE_CONFIG])
         assert exit_code.value.code == 2
         where = diagnose.seam_line(error)
-        pytest.skip(f"this project's model or loss_sum reads its data's values ({type(error).__name__}{where}): no estimate")
+        pytest.skip(
+            f"this project's model or loss_sum reads its data's values ({type(error).__name__}{where}): no estimate"
+        )
 
 
 def storage_bytes(tensors) -> int:

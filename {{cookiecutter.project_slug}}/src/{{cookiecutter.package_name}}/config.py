@@ -251,6 +251,14 @@ class Sources:
     overrides: tuple[str, ...] = ()
     renamed: tuple[str, ...] = ()
     renamed_in: tuple[str, ...] = ()  # beside `renamed`: the file or the override that named each
+    origins: tuple[tuple[str, str], ...] = ()  # (setting, "in FILE", "from the command line's a.b=c" or "" for a
+    # tool's own), the last of a setting the one that holds
+
+    def located(self, err: ConfigError) -> ConfigError:
+        """A check's error about the setting it starts with ("train.precision: ..."), saying where
+        that setting was given; unchanged for a default."""
+        origin = dict(self.origins).get(str(err).split(":", 1)[0])
+        return typed_config.located(err, origin) if origin else err
 
     def describe(self) -> str:
         parts = [*self.files, *self.overrides] or ["the dataclass defaults"]
@@ -294,13 +302,16 @@ def load(paths: str | Path | typing.Sequence | None = None, overrides: typing.Se
     return compose(paths, overrides)[0]
 
 
-def compose(paths: str | Path | typing.Sequence | None, overrides: typing.Sequence[str] = ()) -> tuple[Config, Sources]:
+def compose(
+    paths: str | Path | typing.Sequence | None, overrides: typing.Sequence[str] = (), preset: typing.Sequence[str] = ()
+) -> tuple[Config, Sources]:
     """`load`, and what the config was built from. Each file is read once, where it first comes:
     a base that an `extends` names and that was read already (given before, or the base of a file
     before) is not read again over the files after it. Each file and each override is checked on
-    its own, so an error names the file or the override it came from."""
+    its own, so an error names the file or the override it came from. `preset`: a tool's own
+    overrides (the smoke check's), applied before `overrides` and not listed as the user's."""
     files = [paths] if isinstance(paths, (str, Path)) else list(paths or [])
-    tree, read, renamed, renamed_in, applied = {}, [], [], [], set()
+    tree, read, renamed, renamed_in, applied, origins = {}, [], [], [], set(), []
     for path in files:
         for layer_path, layer in layers(Path(path)):
             if layer_path.resolve() in applied:
@@ -312,13 +323,19 @@ def compose(paths: str | Path | typing.Sequence | None, overrides: typing.Sequen
             except ConfigError as err:
                 raise typed_config.located(err, f"in {layer_path}", str(layer_path)) from None
             merge(tree, layer)
+            origins += [
+                (f"{section}.{key}", f"in {layer_path}") for section, keys in layer.items() for key in keys or {}
+            ]
             read.append(str(layer_path))
             renamed += old
             renamed_in += [str(layer_path)] * len(old)
     typed: list[str] = []
-    cfg = with_overrides(tree, overrides, typed)
+    cfg = with_overrides(tree, [*preset, *overrides], typed)
+    for item in [*preset, *overrides]:  # valid here: with_overrides checked each
+        key = parse_override(item)[0]
+        origins.append((RENAMED.get(key, key), f"from the command line's {item}" if item in overrides else ""))
     renamed += [parse_override(item)[0] for item in typed]
-    return cfg, Sources(tuple(read), tuple(overrides), tuple(renamed), (*renamed_in, *typed))
+    return cfg, Sources(tuple(read), tuple(overrides), tuple(renamed), (*renamed_in, *typed), tuple(origins))
 
 
 def upgrade(tree: dict) -> tuple[dict, list[str]]:

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     with exit_on_user_error():  # before any collective: every rank finds the same problem
         cfg, sources = config.compose(config.files(args.config), args.overrides)
         dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
-        check_settings(cfg, info.device)
+        check_settings(cfg, info.device, sources)
     info = parallel.with_backend(cfg, info)
     trackers = tracking.Trackers()  # W&B / MLflow on rank 0, as run.trackers says
     for line in (sources.describe(), sources.renamed_note()):
@@ -75,17 +75,21 @@ def main(argv=None) -> int:
     return code
 
 
-def check_settings(cfg: Config, device: torch.device) -> None:
+def check_settings(cfg: Config, device: torch.device, sources: config.Sources | None = None) -> None:
     """The settings against each other, this torch and this kind of device: a ConfigError, before any
-    collective. Every rank checks on its own device; the node launcher once, before the workers start."""
-    problem = hardware.precision_problem(cfg.train.precision, device)
-    if problem:
-        raise ConfigError(problem)
-    optim.check(cfg)
-    parallel.check(cfg, device)
-    checkpoint.check(config.to_dict(cfg))
-    tensorboard.check(cfg.run.tensorboard)
-    tracking.check(cfg.run.trackers)
+    collective, saying where the setting it names was given (`sources`: what `cfg` was built from).
+    Every rank checks on its own device; the node launcher once, before the workers start."""
+    try:
+        problem = hardware.precision_problem(cfg.train.precision, device)
+        if problem:
+            raise ConfigError(problem)
+        optim.check(cfg)
+        parallel.check(cfg, device)
+        checkpoint.check(config.to_dict(cfg))
+        tensorboard.check(cfg.run.tensorboard)
+        tracking.check(cfg.run.trackers)
+    except ConfigError as err:
+        raise (sources.located(err) if sources else err) from None
 
 
 def check_hardware(cfg: Config, info: DistInfo) -> None:

@@ -166,8 +166,8 @@ def check_settings(args: list[str]) -> None:
 
     files, overrides = config.files(given[0]), given[1]
     smoke_check = args[args.index("-m") + 1] == smoke.__name__
-    cfg = smoke.settings(files, overrides) if smoke_check else config.compose(files, overrides)[0]
-    train.check_settings(cfg, torch.device("cuda", 0) if visible_gpus() else torch.device("cpu"))
+    cfg, sources = smoke.composed(files, overrides) if smoke_check else config.compose(files, overrides)
+    train.check_settings(cfg, torch.device("cuda", 0) if visible_gpus() else torch.device("cpu"), sources)
 
 
 def children(pid: int) -> list[int]:

@@ -343,7 +343,12 @@ SMOKE_RUN = [
 
 def settings(files: list[str], overrides: list[str]) -> config.Config:
     """The smoke check's run: `files` (config.files' list), its own settings, then `overrides`."""
-    return config.load(files, [*SMOKE_RUN, *overrides])
+    return composed(files, overrides)[0]
+
+
+def composed(files: list[str], overrides: list[str]) -> tuple[config.Config, config.Sources]:
+    """`settings`, and where each of the user's settings was given."""
+    return config.compose(files, overrides, preset=SMOKE_RUN)
 
 
 def main(argv=None) -> int:
@@ -354,9 +359,9 @@ def main(argv=None) -> int:
     info = DistInfo.from_env()
     files = config.files(args.config)
     with exit_on_user_error():
-        cfg = settings(files, args.overrides)
+        cfg, sources = composed(files, args.overrides)
         dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
-        train.check_settings(cfg, info.device)  # as the run checks them: the round trip saves as it would
+        train.check_settings(cfg, info.device, sources)  # as the run checks them: the round trip saves as it would
     info = parallel.with_backend(cfg, info)
     quick = is_quick(files)
     note = planned_note(cfg, info, quick)
