@@ -711,7 +711,7 @@ MUTANTS = [
         "the launcher checks composition only",
         "a config mistake is one line and exit 2 from every launcher",
         LAUNCH,
-        '    train.check_settings(cfg, torch.device("cuda", 0) if visible_gpus() else torch.device("cpu"))',
+        '    train.check_settings(cfg, torch.device("cuda", 0) if visible_gpus() else torch.device("cpu"), sources)',
         "    pass",
     ),
     Mutant(
