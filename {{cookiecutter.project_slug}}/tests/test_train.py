@@ -347,27 +347,27 @@ def test_static_memory_counts_weights_gradients_adam_moments_and_amp_copies(prec
 
 def test_the_start_up_names_the_lr_scaling_rule_and_how_to_turn_it_off():
     sgd = config.load(SMOKE_CONFIG, ["optim.name=sgd", "optim.lr=0.1", "optim.reference_batch_size=32"])
-    assert startup.lr_line(sgd, 0.2, 64) == (
+    assert startup.lr_line(sgd.optim, 0.2, 64) == (
         "lr 0.2: optim.lr 0.1 tuned at batch 32, scaled linear (optim.lr_scaling=auto for sgd) to the global "
         "batch 64; optim.lr_scaling=none keeps 0.1"
     )
-    assert startup.lr_line(config.load(SMOKE_CONFIG, ["optim.lr_scaling=none"]), 0.01, 64).endswith("not scaled)")
+    assert startup.lr_line(config.load(SMOKE_CONFIG, ["optim.lr_scaling=none"]).optim, 0.01, 64).endswith("not scaled)")
 
 
 def test_the_start_up_names_sgds_momentum_and_whether_it_warms_up():
     sgd = config.load(SMOKE_CONFIG, ["optim.name=sgd"])
-    assert startup.optimizer_text(sgd) == "sgd optimizer (momentum 0.9)"  # torch's own default is 0
+    assert startup.optimizer_text(sgd.optim) == "sgd optimizer (momentum 0.9)"  # torch's own default is 0
     nesterov = config.load(SMOKE_CONFIG, ["optim.name=sgd", "optim.momentum=0.5", "optim.nesterov=true"])
-    assert startup.optimizer_text(nesterov) == "sgd optimizer (momentum 0.5, Nesterov)"
-    assert startup.optimizer_text(config.load(SMOKE_CONFIG)) == "adamw optimizer (betas 0.9, 0.999)"
+    assert startup.optimizer_text(nesterov.optim) == "sgd optimizer (momentum 0.5, Nesterov)"
+    assert startup.optimizer_text(config.load(SMOKE_CONFIG).optim) == "adamw optimizer (betas 0.9, 0.999)"
     assert startup.warmup_text(0.0) == "no warmup (schedule.warmup_fraction=0)"
     assert startup.warmup_text(0.01) == "warmup 1.0% of the steps"
 
 
 def test_the_start_up_names_the_epochs_when_they_end_the_run_before_max_steps():
     capped = config.load(SMOKE_CONFIG, ["train.epochs=1", "train.max_steps=300"])
-    assert startup.planned_steps(capped, 217) == "217 steps (train.epochs=1 ends before train.max_steps=300)"
-    assert startup.planned_steps(config.load(SMOKE_CONFIG, ["train.max_steps=60"]), 60) == "60 steps"
+    assert startup.planned_steps(capped.train, 217) == "217 steps (train.epochs=1 ends before train.max_steps=300)"
+    assert startup.planned_steps(config.load(SMOKE_CONFIG, ["train.max_steps=60"]).train, 60) == "60 steps"
 
 
 @pytest.mark.usefixtures("process_settings")

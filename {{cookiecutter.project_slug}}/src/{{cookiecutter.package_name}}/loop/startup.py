@@ -13,7 +13,7 @@ from .metrics import TrainingLog
 from .state import Job
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config import Config, OptimConfig, TrainConfig
 
 
 def report(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> None:
@@ -29,9 +29,9 @@ def report(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> 
         f"device {info.device}\n"
         f"global batch {job.global_batch} = {cfg.data.batch_size} per device x {info.world_size} ranks x "
         f"{cfg.train.grad_accum_steps} accumulation steps\n"
-        f"{lr_line(cfg, lr, job.global_batch)}\n"
-        f"{optimizer_text(cfg)}, {cfg.schedule.name} schedule, {warmup_text(warmup)}, "
-        f"{planned_steps(cfg, job.total_steps)}\n"
+        f"{lr_line(cfg.optim, lr, job.global_batch)}\n"
+        f"{optimizer_text(cfg.optim)}, {cfg.schedule.name} schedule, {warmup_text(warmup)}, "
+        f"{planned_steps(cfg.train, job.total_steps)}\n"
         f"precision {cfg.train.precision}, compile {cfg.train.compile}, activation checkpointing "
         f"{cfg.parallel.activation_checkpointing}, loader workers per rank {loaders.describe_workers(job.train_loader)}"
         "\n"
@@ -44,23 +44,22 @@ def report(cfg: Config, info: DistInfo, job: Job, log: TrainingLog, resumed) -> 
             dist.print0(info, note)
 
 
-def lr_line(cfg: Config, lr: float, global_batch: int) -> str:
+def lr_line(settings: OptimConfig, lr: float, global_batch: int) -> str:
     """The peak lr and where it comes from: the rule that scaled it, and how to turn that off."""
-    rule, tuned = optim.scaling_rule(cfg.optim.lr_scaling, cfg.optim.name), cfg.optim.lr
-    reference = cfg.optim.reference_batch_size
+    rule, tuned = optim.scaling_rule(settings.lr_scaling, settings.name), settings.lr
+    reference = settings.reference_batch_size
     if rule == "none" or global_batch == reference:
         return f"lr {lr:.3g} (optim.lr, tuned at batch {reference}; global batch {global_batch}: not scaled)"
-    why = f"optim.lr_scaling=auto for {cfg.optim.name}" if cfg.optim.lr_scaling == "auto" else "optim.lr_scaling"
+    why = f"optim.lr_scaling=auto for {settings.name}" if settings.lr_scaling == "auto" else "optim.lr_scaling"
     return (
         f"lr {lr:.3g}: optim.lr {tuned:g} tuned at batch {reference}, scaled {rule} ({why}) to the global batch "
         f"{global_batch}; optim.lr_scaling=none keeps {tuned:g}"
     )
 
 
-def optimizer_text(cfg: Config) -> str:
+def optimizer_text(settings: OptimConfig) -> str:
     """The optimizer and the settings of it that shape every step: SGD's momentum (0.9 here by
     default; torch's own default is 0) and Nesterov, AdamW's betas."""
-    settings = cfg.optim
     if settings.name == "sgd":
         return f"sgd optimizer (momentum {settings.momentum:g}{', Nesterov' if settings.nesterov else ''})"
     if settings.name == "adamw":
@@ -72,9 +71,9 @@ def warmup_text(warmup: float) -> str:
     return f"warmup {warmup:.1%} of the steps" if warmup else "no warmup (schedule.warmup_fraction=0)"
 
 
-def planned_steps(cfg: Config, total_steps: int) -> str:
+def planned_steps(settings: TrainConfig, total_steps: int) -> str:
     """The run's length, naming the setting that ends it when train.max_steps is never reached."""
-    epochs, max_steps = cfg.train.epochs, cfg.train.max_steps
+    epochs, max_steps = settings.epochs, settings.max_steps
     if max_steps and total_steps < max_steps:
         return f"{total_steps} steps (train.epochs={epochs} ends before train.max_steps={max_steps})"
     return f"{total_steps} steps"
