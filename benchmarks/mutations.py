@@ -746,6 +746,20 @@ MUTANTS = [
         "                raise",
     ),
     Mutant(
+        "a base typed as a relative path read again",
+        "config composition: a base that extends names is read once",
+        CONFIG,
+        "            applied.add(layer_path.resolve())",
+        "            applied.add(layer_path)",
+    ),
+    Mutant(
+        "every rank's loader workers seeded alike",
+        "each rank's loader workers draw their own random numbers",
+        LOADERS,
+        "        generator=own_rng(seed, info.rank),",
+        "        generator=own_rng(seed, 0),",
+    ),
+    Mutant(
         "a check's error without where its setting was given",
         "config errors name their file or override: settings that do not fit together too",
         TRAIN,

@@ -34,7 +34,7 @@ from helpers import whole_checkpoint  # noqa: E402
 
 from {{ cookiecutter.package_name }} import config, task, train  # noqa: E402
 from {{ cookiecutter.package_name }}.base import dist, preemption, records  # noqa: E402
-from {{ cookiecutter.package_name }}.base.across_ranks import as_one_process, gathers_replaced  # noqa: E402
+from {{ cookiecutter.package_name }}.base.across_ranks import as_one_process, gather_from_ranks, gathers_replaced  # noqa: E402
 from {{ cookiecutter.package_name }}.base.batching import drawn_from  # noqa: E402
 from {{ cookiecutter.package_name }}.base.dist import DistInfo  # noqa: E402
 from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, optim, parallel, preflight, sharded_checkpoint  # noqa: E402
@@ -781,6 +781,26 @@ def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
     }
 
 
+def prove_gather_gradients(info: DistInfo) -> dict:
+    """gather_from_ranks in a loss over every rank's rows (each row's log-sum-exp against all of
+    them), rank r holding 2 + r rows: each rank's gradient of its own rows, against one process's
+    gradient of the same loss over the union. The largest difference over the ranks, and where
+    each rank's rows start."""
+    generator = torch.Generator().manual_seed(0)
+    union = torch.randn(sum(2 + r for r in range(info.world_size)), 3, dtype=torch.float64, generator=generator)
+    start = sum(2 + r for r in range(info.rank))
+    mine = union[start : start + 2 + info.rank].clone().requires_grad_()
+    everyone, first = gather_from_ranks(mine)
+    torch.logsumexp(everyone[first : first + len(mine)] @ everyone.T, dim=1).sum().backward()
+    whole = union.clone().requires_grad_()
+    torch.logsumexp(whole @ whole.T, dim=1).sum().backward()
+    error = torch.tensor([(mine.grad - whole.grad[start : start + len(mine)]).abs().max().item()])
+    firsts = [torch.zeros(1, dtype=torch.long) for _ in range(info.world_size)]
+    torch.distributed.all_gather(firsts, torch.tensor([first]))
+    torch.distributed.all_reduce(error, op=torch.distributed.ReduceOp.MAX)
+    return {"gradient_error": error.item(), "firsts": [int(f) for f in firsts]}
+
+
 def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict:
     """What parallel.reshard_after_forward and parallel.reduce_every_micro_batch do to the task's model as
     train.wrap shards it: after the forward pass of a micro-batch that is not an optimizer step's
@@ -876,6 +896,7 @@ def prove(args: argparse.Namespace, info: DistInfo) -> int:
             "epochs": prove_epochs_reshuffle(args.out, args.overrides, info),
             "wrapping": prove_wrapping(args.overrides, info),
             "recompute": prove_recompute_with_dropout(info, "ddp"),
+            "gather": prove_gather_gradients(info),
         }
         if not sharded_checkpoint.floor_problem():  # background writes are sharded: torch>=2.8
             results["failed_write"] = prove_failed_background_write(args.out, args.overrides, info)

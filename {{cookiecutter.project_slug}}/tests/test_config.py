@@ -236,7 +236,7 @@ def files(tmp_path, **texts: str) -> dict:
     return paths
 
 
-def test_a_base_that_extends_names_is_read_once_where_it_first_comes_never_over_the_files_after_it(tmp_path):
+def test_a_base_that_extends_names_is_read_once_where_it_first_comes_never_over_later_files(tmp_path, monkeypatch):
     # --config configs/default.yaml --config mine.yaml --config experiments/example.yaml: mine.yaml's
     # values stay where example.yaml does not set them
     paths = files(
@@ -253,6 +253,12 @@ def test_a_base_that_extends_names_is_read_once_where_it_first_comes_never_over_
     # at its place: a base first named by the file that extends it is read just before that file
     cfg, sources = config.compose([mine, experiment])
     assert (cfg.data.batch_size, cfg.optim.lr) == (12, 0.5) and sources.files == (str(mine), str(base), str(experiment))
+
+    # paths as typed at a prompt, relative to the working directory: the base is the same file
+    monkeypatch.chdir(tmp_path)
+    cfg, sources = config.compose(["configs/base.yaml", "mine.yaml", "experiments/x.yaml"])
+    assert (cfg.data.batch_size, cfg.optim.lr) == (64, 0.5)
+    assert sources.describe() == "settings: configs/base.yaml < mine.yaml < experiments/x.yaml"
 
 
 def test_an_extends_naming_a_missing_file_says_that_its_target_is_missing_in_which_file(tmp_path):

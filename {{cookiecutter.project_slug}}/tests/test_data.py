@@ -50,6 +50,25 @@ def build(rank, world, *overrides, workers=0, train_samples=None):
     return loaders.build_loaders(train_set, eval_set, cfg, info(rank, world), workers)
 
 
+class Draws(Dataset):
+    """Randomness a dataset draws for itself, outside SeededSamples: an augmentation in __getitem__."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(())
+
+
+def test_each_ranks_loader_workers_draw_their_own_random_numbers():
+    data = config.load(SMOKE_CONFIG, ["data.worker_start=fork"]).data
+    draws = [
+        next(iter(torch.utils.data.DataLoader(Draws(), batch_size=8, **loaders.common(data, 0, info(rank, 2), 1))))
+        for rank in range(2)
+    ]
+    assert not torch.equal(*draws)  # one base seed on every rank: the same augmentation on every rank's samples
+
+
 def test_samplers_and_loader_settings():
     train, evaluation = build(0, 2)
     assert isinstance(train.sampler, DistributedSampler) and train.sampler.shuffle and train.sampler.drop_last

@@ -311,6 +311,11 @@ def test_recomputed_units_with_dropout_give_the_gradients_of_no_recompute_under_
     assert result["full"] == 0 and result["selective"] == 0  # the recompute replays the forward's masks
 
 
+def test_a_loss_over_every_ranks_rows_gets_one_processs_gradient_through_the_gather(proofs):
+    # base.across_ranks on 2 ranks of 2 and 3 rows: the gradient each rank's loss sends to another's rows comes back
+    assert proofs["gather"]["firsts"] == [0, 2] and proofs["gather"]["gradient_error"] < 1e-12
+
+
 @needs_sharded_checkpoints
 def test_a_background_write_that_fails_on_one_rank_stops_every_rank_at_the_next_save(proofs):
     result = proofs["failed_write"]

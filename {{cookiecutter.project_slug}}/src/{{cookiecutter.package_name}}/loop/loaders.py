@@ -150,7 +150,8 @@ def worker_start_note(data: DataConfig, loader: DataLoader) -> str | None:
 
 
 def own_rng(seed: int, rank: int) -> torch.Generator:
-    """A loader's own generator. Without one, every `iter(loader)` draws its workers' base seed
+    """A loader's own generator, seeded by the run's seed and the rank: each rank's workers draw
+    their own random numbers. Without one, every `iter(loader)` draws its workers' base seed
     from torch's global generator, so a resumed run's first `iter` would shift the random
     numbers after it (dropout masks) away from those of the run it continues."""
     return torch.Generator().manual_seed(seed + rank)
