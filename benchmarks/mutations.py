@@ -459,7 +459,7 @@ MUTANTS = [
         "fsdp settings not checked before the run",
         "parallel.cpu_offload and fp16 refused before any collective",
         TRAIN,
-        "    parallel.check(cfg, device)\n",
+        "        parallel.check(cfg, device)\n",
         "",
     ),
     Mutant(
@@ -523,7 +523,7 @@ MUTANTS = [
         "checkpoint settings not checked before the run",
         "checkpoint.async_save with full checkpoints refused before any collective",
         TRAIN,
-        "    checkpoint.check(config.to_dict(cfg))\n",
+        "        checkpoint.check(config.to_dict(cfg))\n",
         "",
     ),
     Mutant(
