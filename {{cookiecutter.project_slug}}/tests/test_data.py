@@ -62,10 +62,8 @@ class Draws(Dataset):
 
 def test_each_ranks_loader_workers_draw_their_own_random_numbers():
     data = config.load(SMOKE_CONFIG, ["data.worker_start=fork"]).data
-    draws = [
-        next(iter(torch.utils.data.DataLoader(Draws(), batch_size=8, **loaders.common(data, 0, info(rank, 2), 1))))
-        for rank in range(2)
-    ]
+    shared = [loaders.common(data, 0, info(rank, 2), 1) | {"collate_fn": None} for rank in range(2)]  # not the task's
+    draws = [next(iter(torch.utils.data.DataLoader(Draws(), batch_size=8, **each))) for each in shared]
     assert not torch.equal(*draws)  # one base seed on every rank: the same augmentation on every rank's samples
 
 
