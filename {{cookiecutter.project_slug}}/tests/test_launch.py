@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, project_env
+from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, finish, project_env
 
 from {{ cookiecutter.package_name }}.base import cpus, preemption
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
@@ -206,24 +206,24 @@ def test_a_stop_while_the_launcher_starts_exits_as_preempted_before_torchrun_run
         ["bash", "scripts/train.sh", "--config", "configs/smoke.yaml"],
         cwd=PROJECT,
         env=env,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
-    try:
-        deadline = time.monotonic() + HANG_S
-        while not started.exists():
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
-            time.sleep(0.01)
-        assert preemption.handles(launcher.pid, signal.SIGTERM)  # installed before torch's import began
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=HANG_S) == preemption.PREEMPTED_EXIT_CODE
-        said = launcher.stderr.read()
-        assert said.splitlines() == [
-            "launch: SIGTERM before training started: nothing ran, nothing to save; exit 75 (requeue or rerun to start)"
-        ]
-    finally:
-        launcher.kill()
-        launcher.wait()
+    deadline = time.monotonic() + HANG_S
+    while not started.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    handled = started.exists() and preemption.handles(launcher.pid, signal.SIGTERM)
+    launcher.send_signal(signal.SIGTERM)
+    # a launcher still running now fails the test with its Python stack and what it printed
+    [(code, _, said)] = finish([launcher], HANG_S)
+    assert started.exists(), f"exit {code} before importing torch: {said}"
+    assert handled  # installed before torch's import began
+    assert code == preemption.PREEMPTED_EXIT_CODE, said
+    assert said.splitlines() == [
+        "launch: SIGTERM before training started: nothing ran, nothing to save; exit 75 (requeue or rerun to start)"
+    ]
 
 
 @pytest.mark.parametrize(
