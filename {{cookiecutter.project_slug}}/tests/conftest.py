@@ -14,15 +14,24 @@ import time
 from pathlib import Path
 
 import pytest
+import stand_ins
 import torch
 
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.config import load as load_config
+from {{ cookiecutter.package_name }}.loop import sharded_checkpoint
 from {{ cookiecutter.package_name }}.tools import launch
 
 PROJECT = Path(__file__).resolve().parents[1]
 PACKAGE = "{{ cookiecutter.package_name }}"
 SMOKE_CONFIG = str(PROJECT / "configs" / "smoke.yaml")
+WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")  # the loop's own run in this process
+_SHARDED_FLOOR = sharded_checkpoint.floor_problem()
+CHECKPOINT_FORMATS = [
+    "full",
+    pytest.param("sharded", marks=pytest.mark.skipif(bool(_SHARDED_FLOOR), reason=_SHARDED_FLOOR or "")),
+]
 
 
 def pytest_addoption(parser):
@@ -62,6 +71,12 @@ def model_needs(path: Path = PROJECT / "configs" / "default.yaml") -> list[str]:
     with contextlib.redirect_stderr(io.StringIO()):
         find_unused = load_config(str(path)).parallel.find_unused_parameters
     return [f"parallel.find_unused_parameters={str(find_unused).lower()}"]
+
+
+@pytest.fixture
+def plain_task(monkeypatch):
+    """The loop's own behaviour, the same whatever the model: the plain stand-in task trains."""
+    stand_ins.install("plain", monkeypatch)
 
 
 @pytest.fixture

@@ -4,16 +4,13 @@ train.wrap). The 2-rank proofs under ddp and fsdp are in tests/dist_proofs.py.""
 
 import pytest
 import torch
-from conftest import SMOKE_CONFIG
+from conftest import SMOKE_CONFIG, WORLD_OF_ONE
 from dist_proofs import DropoutBlocks
 from torch import nn
 
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import dist
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import loaders, parallel
-
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
 
 def gradients(mode: str, dropout_seed: int) -> list[torch.Tensor]:

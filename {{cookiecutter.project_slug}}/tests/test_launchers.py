@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import (
     PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
+    WORLD_OF_ONE,
     model_needs,
     project_env,
     read_metrics,
@@ -26,12 +26,10 @@ from torch.utils.data import Subset
 
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base import records
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import parallel
 from {{ cookiecutter.package_name }}.tools import smoke
 
 SCRIPTS = PROJECT / "scripts"
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 QUICK = ["data.num_workers=0", "run.tensorboard=false"]
 
 

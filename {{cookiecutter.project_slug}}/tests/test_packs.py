@@ -22,6 +22,7 @@ from conftest import (
     PACKAGE,
     PROJECT,
     SMOKE_CONFIG,
+    WORLD_OF_ONE,
     project_env,
     read_metrics,
     run,
@@ -33,7 +34,6 @@ from test_faults import EVERY_10, FAULTY, assert_bit_identical, final_state, wor
 
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base import extras, packs
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.loop import loaders, samplers, sharded_checkpoint
 
@@ -44,7 +44,6 @@ needs_moto = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None, reason="no S3-compatible server to test with: pip install 'moto[server]'"
 )
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 # the records each chunk holds: uneven sizes (a packing process's last chunk is short), in a pack's random order
 CHUNKS = [chunk.tolist() for chunk in torch.randperm(43, generator=torch.Generator().manual_seed(0)).split(7)]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, run, torchrun, train_args
+from conftest import PROJECT, SMOKE_CONFIG, WORLD_OF_ONE, project_env, read_metrics, run, torchrun, train_args
 from helpers import model_with_unused_head
 from test_faults import assert_bit_identical, final_state
 from test_launchers import smoke_rows
@@ -17,12 +17,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base import records
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, parallel
 
 PROOFS = str(PROJECT / "tests" / "dist_proofs.py")
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 needs_fsdp = pytest.mark.skipif(bool(parallel.floor_problem()), reason=parallel.floor_problem() or "")
 
 

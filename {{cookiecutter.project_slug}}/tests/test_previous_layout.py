@@ -6,27 +6,16 @@ it as they read a new one. A sharded checkpoint keeps its settings in the direct
 import json
 
 import pytest
-import stand_ins
 import torch
-from conftest import SMOKE_CONFIG, read_metrics
+from conftest import CHECKPOINT_FORMATS, SMOKE_CONFIG, WORLD_OF_ONE, read_metrics
 from test_config import previous_layout
 
 from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.base import extras, records
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import checkpoint, sharded_checkpoint
 from {{ cookiecutter.package_name }}.tools import evaluate, export
 
-
-@pytest.fixture(autouse=True)
-def plain_task(monkeypatch):
-    """The loop's reading of checkpoints, the same whatever the model: the plain stand-in trains them."""
-    stand_ins.install("plain", monkeypatch)
-
-
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-FLOOR = sharded_checkpoint.floor_problem()
-FORMATS = ["full", pytest.param("sharded", marks=pytest.mark.skipif(bool(FLOOR), reason=FLOOR or ""))]
+pytestmark = pytest.mark.usefixtures("plain_task")  # the loop's own behaviour, whatever the model
 
 
 def settings_file(written) -> object:
@@ -61,7 +50,7 @@ def old_checkpoint(tmp_path, process_settings):
     return make
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
 def test_a_checkpoint_of_the_previous_layout_loads_in_todays_with_its_renames_in_either_format(old_checkpoint, fmt):
     written, _, today = old_checkpoint(fmt)
     _, payload = checkpoint.find(written)
@@ -69,7 +58,7 @@ def test_a_checkpoint_of_the_previous_layout_loads_in_todays_with_its_renames_in
     assert set(payload["renamed_settings"]) == set(config.RENAMED)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
 def test_a_checkpoint_of_the_previous_layout_resumes_noting_a_change_of_a_renamed_setting(old_checkpoint, fmt, capsys):
     written, overrides, today = old_checkpoint(fmt)
     capsys.readouterr()
@@ -83,7 +72,7 @@ def test_a_checkpoint_of_the_previous_layout_resumes_noting_a_change_of_a_rename
     assert f"resumed from {written} at step 4" in out and "done: 6 steps" in out
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
 def test_evaluate_and_export_read_a_checkpoint_of_the_previous_layout_in_either_format(old_checkpoint, fmt, capsys):
     written, overrides, today = old_checkpoint(fmt)
     run_dir = config.load(SMOKE_CONFIG, overrides).run_dir

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import stand_ins
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, read_metrics, torchrun, train_args
+from conftest import CHECKPOINT_FORMATS, PROJECT, SMOKE_CONFIG, WORLD_OF_ONE, read_metrics, torchrun, train_args
 from torch.utils.data import Dataset, Subset
 
 from {{ cookiecutter.package_name }} import config, task, train
@@ -28,15 +27,9 @@ from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import checkpoint, elastic, parallel, sharded_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def plain_task(monkeypatch):
-    stand_ins.install("plain", monkeypatch)
+pytestmark = pytest.mark.usefixtures("plain_task")  # the loop's own behaviour, whatever the model
 
 
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-SHARDED_FLOOR = sharded_checkpoint.floor_problem()
-FORMATS = ["full", pytest.param("sharded", marks=pytest.mark.skipif(bool(SHARDED_FLOOR), reason=SHARDED_FLOOR or ""))]
 # exact and quick: fp32, no loader workers, no TensorBoard, every step logged
 QUICK = ("run.tensorboard=false", "data.num_workers=0", "train.precision=fp32", "run.log_every=1")
 
@@ -196,7 +189,7 @@ NOISY = str(PROJECT / "tests" / "noisy_train.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
 def test_a_2_rank_run_whose_forward_draws_random_numbers_resumes_bit_identical_on_each_ranks_generators(tmp_path, fmt):
     # checkpoints at 2, 4 and the end, 5, on 2 ranks whose units draw a random number each forward
     # from their own generator (as dropout draws its mask): the rerun without 4 and 5 resumes at 2
@@ -281,7 +274,7 @@ def split_noted(out: str) -> bool:
 SPLIT = ("data.batch_size", "train.grad_accum_steps")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", CHECKPOINT_FORMATS)
 def test_a_split_chosen_for_another_world_size_is_kept_by_a_restart_and_never_listed_as_a_change(run_here, capsys, fmt):
     # 2 ranks x batch 2 (global 4); the user's settings never change: data.batch_size=2, accum 1;
     # the settings as given travel in either checkpoint format (a sharded one's state.pt)

@@ -13,18 +13,16 @@ import sys
 import dist_proofs
 import pytest
 import torch
-from conftest import PROJECT, SMOKE_CONFIG, read_metrics, run, torchrun
+from conftest import PROJECT, SMOKE_CONFIG, WORLD_OF_ONE, read_metrics, run, torchrun
 from stand_ins import DDP_ONLY, SETTINGS, STAND_INS, Recurrent, RecurrentTask, install
 from torch.nn.parallel import DistributedDataParallel
 
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import records
 from {{ cookiecutter.package_name }}.base.batching import unwrap
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import loaders, parallel, preflight
 from {{ cookiecutter.package_name }}.tools import diagnose, evaluate, smoke
 
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 QUICK = ["data.num_workers=0", "run.tensorboard=false", "data.batch_size=4"]
 
 

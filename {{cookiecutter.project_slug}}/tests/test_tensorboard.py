@@ -4,12 +4,10 @@ and resumes without repeats."""
 import sys
 
 import pytest
-import torch
-from conftest import read_metrics, run, torchrun, train_args
+from conftest import WORLD_OF_ONE, read_metrics, run, torchrun, train_args
 
 from {{ cookiecutter.package_name }} import task
 from {{ cookiecutter.package_name }}.base import records
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 
@@ -17,8 +15,6 @@ pytest.importorskip("tensorboard", reason="TensorBoard is optional: pip install 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from {{ cookiecutter.package_name }}.loop import tensorboard as board  # noqa: E402  (after the skip)
-
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 
 
 def scalars(log_dir) -> dict[str, list]:

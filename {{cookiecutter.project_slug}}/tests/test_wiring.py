@@ -13,27 +13,18 @@ The wiring that needs two ranks (set_epoch on every rank, the equal-length check
 import math
 
 import pytest
-import stand_ins
 import torch
-from conftest import SMOKE_CONFIG, read_metrics
+from conftest import CHECKPOINT_FORMATS, SMOKE_CONFIG, WORLD_OF_ONE, read_metrics
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import Subset
 
 from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import records
-from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
-from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, sharded_checkpoint
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders
 from {{ cookiecutter.package_name }}.loop.state import TrainState
 
-
-@pytest.fixture(autouse=True)
-def plain_task(monkeypatch):
-    stand_ins.install("plain", monkeypatch)
-
-
-WORLD_OF_ONE = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
-SHARDED_FLOOR = sharded_checkpoint.floor_problem()
+pytestmark = pytest.mark.usefixtures("plain_task")  # the loop's own behaviour, whatever the model
 
 
 @pytest.fixture
@@ -240,10 +231,7 @@ def assert_same(tree, expected) -> None:
         assert tree == expected
 
 
-@pytest.mark.parametrize(
-    "checkpoint_format",
-    ["full", pytest.param("sharded", marks=pytest.mark.skipif(bool(SHARDED_FLOOR), reason=SHARDED_FLOOR or ""))],
-)
+@pytest.mark.parametrize("checkpoint_format", CHECKPOINT_FORMATS)
 def test_a_nan_loss_stops_the_run_before_a_checkpoint_is_written_from_it_and_a_rerun_resumes_before_it(
     train_here, monkeypatch, tmp_path, capsys, checkpoint_format
 ):
