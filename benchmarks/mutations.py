@@ -192,7 +192,7 @@ MUTANTS = [
         "clip not applied",
         "gradient clipping",
         TRAIN,
-        "        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)\n",
+        "        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
         "",
     ),
     Mutant(
@@ -415,12 +415,12 @@ MUTANTS = [
         "fsdp clip over the local shard only",
         "FSDP clips the whole gradient's norm",
         TRAIN,
-        "        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)",
+        "        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)",
         # clip_grad_norm_'s own formula, over each rank's shard instead of the whole gradient
         "        grads = [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()]\n"
         "        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
         "        for g in grads:\n"
-        "            g.mul_((cfg.train.grad_clip / (norm + 1e-6)).clamp(max=1.0))",
+        "            g.mul_((grad_clip / (norm + 1e-6)).clamp(max=1.0))",
         answers=FSDP,
     ),
     Mutant(
@@ -443,7 +443,7 @@ MUTANTS = [
         "parallel.reshard_after_forward ignored",
         "parallel.reshard_after_forward: what stays gathered after forward",
         SHARDING,
-        '        "reshard_after_forward": cfg.parallel.reshard_after_forward,',
+        '        "reshard_after_forward": settings.reshard_after_forward,',
         '        "reshard_after_forward": True,',
         answers=FSDP,
     ),

@@ -103,7 +103,7 @@ def chunk(job, cfg, info, steps: int) -> float:
     for _ in range(steps):
         micro_batches = [next(source) for _ in range(cfg.train.grad_accum_steps)]
         train.accumulate_gradients(job, micro_batches, cfg, info)
-        train.optimizer_step(job.model, job.state, cfg)
+        train.optimizer_step(job.model, job.state, cfg.train.grad_clip)
     return (time.perf_counter() - start) / steps
 
 

@@ -10,8 +10,8 @@ step_times = []
 untimed_step = train.optimizer_step
 
 
-def timed_step(model, state, cfg):
-    untimed_step(model, state, cfg)
+def timed_step(model, state, grad_clip):
+    untimed_step(model, state, grad_clip)
     step_times.append(time.time())
 
 

@@ -192,10 +192,10 @@ def steps_recorded(steps: list):
     """Keep, at each optimizer step of the loop, its weights and the gradient it is about to apply."""
     optimizer_step = train.optimizer_step
 
-    def recording(model, state, cfg) -> None:
+    def recording(model, state, grad_clip) -> None:
         gradients = [None if p.grad is None else whole(p.grad).detach().clone() for p in model.parameters()]
         steps.append((whole_weights(model), gradients))  # None stays None: the optimizer skips such a parameter
-        optimizer_step(model, state, cfg)
+        optimizer_step(model, state, grad_clip)
 
     train.optimizer_step = recording
     try:
@@ -279,7 +279,7 @@ def reference_update_error(cfg, job: train.Job, steps: list, final_weights: dict
     for _, gradients in steps:
         for param, gradient in zip(model.parameters(), gradients, strict=True):
             param.grad = None if gradient is None else gradient.clone()
-        train.optimizer_step(model, state, cfg)
+        train.optimizer_step(model, state, cfg.train.grad_clip)
     params = dict(model.named_parameters())
     largest = max(final_weights[name].abs().max().item() for name in params)
     return max((final_weights[name] - param).abs().max().item() for name, param in params.items()) / largest
@@ -764,7 +764,7 @@ def prove_recompute_with_dropout(info: DistInfo, strategy: str) -> dict:
         model = DropoutBlocks()
         units = parallel.default_units(model)
         parallel.checkpoint_activations(units, mode)
-        model = parallel.shard(model, units, cfg, info) if strategy == "fsdp" else DDP(model)
+        model = parallel.shard(model, units, cfg.parallel, cfg.train.precision) if strategy == "fsdp" else DDP(model)
         torch.manual_seed(dropout_seed)  # the same masks on every rank, each on its own batch
         model(inputs).square().sum().backward()
         return [whole(p.grad) for p in model.parameters()]

@@ -57,7 +57,7 @@ def should_fire() -> bool:
     return True
 
 
-def faulty_optimizer_step(model, state, cfg):
+def faulty_optimizer_step(model, state, grad_clip):
     global steps_done
     steps_done = state.step + 1
     if RECORD:
@@ -68,7 +68,7 @@ def faulty_optimizer_step(model, state, cfg):
         raise RuntimeError(f"injected crash in step {steps_done}")
     if FAULT == "stall" and RANK == FAULT_RANK and steps_done == FAULT_STEP:
         time.sleep(FAULT_SECONDS)
-    original_step(model, state, cfg)
+    original_step(model, state, grad_clip)
     if FAULT == "slow":
         time.sleep(FAULT_SECONDS)
 

@@ -163,15 +163,15 @@ def test_a_compiled_ddp_models_checkpoint_exports_without_wrapper_prefixes(tmp_p
 def test_a_runs_launch_directory_is_found_from_where_its_checkpoint_lies(tmp_path):
     cfg = config.load(SMOKE_CONFIG, ["run.out_dir=runs", "run.name=mine"])
     saved = tmp_path / "project" / "runs" / "mine" / "checkpoints" / "step_00000010.pt"
-    assert export.run_launch_directory(saved, cfg) == tmp_path / "project"
+    assert export.run_launch_directory(saved, cfg.run) == tmp_path / "project"
     sharded = saved.parent / "superseded" / "step_00000005"  # a sharded checkpoint's folder, set aside
-    assert export.run_launch_directory(sharded, cfg) == tmp_path / "project"
-    assert export.run_launch_directory(tmp_path / "copied" / "checkpoints" / "step_1.pt", cfg) is None  # not its run's
-    assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"])) is None
+    assert export.run_launch_directory(sharded, cfg.run) == tmp_path / "project"
+    assert export.run_launch_directory(tmp_path / "copied" / "checkpoints" / "step_1.pt", cfg.run) is None  # not its run's
+    assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"]).run) is None
     elsewhere = tmp_path / "launched here"
     elsewhere.mkdir()
-    assert export.run_launch_directory(saved, cfg, recorded=str(elsewhere)) == elsewhere  # what it records wins
-    assert export.run_launch_directory(saved, cfg, recorded=str(tmp_path / "gone")) == tmp_path / "project"
+    assert export.run_launch_directory(saved, cfg.run, recorded=str(elsewhere)) == elsewhere  # what it records wins
+    assert export.run_launch_directory(saved, cfg.run, recorded=str(tmp_path / "gone")) == tmp_path / "project"
 
 
 def test_a_checkpoint_records_the_directory_its_run_was_launched_from(tmp_path, monkeypatch):

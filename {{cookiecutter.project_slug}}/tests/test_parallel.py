@@ -150,7 +150,7 @@ def test_the_memory_estimate_shares_the_state_over_the_ranks_and_adds_the_gather
         "parallel.reduce_every_micro_batch=false",
     )
     assert parallel.static_memory_bytes(model, units, whole, 8) == shared + 2 * largest * 4 + 4 * params
-    assert "whole gradients between micro-batches" in parallel.gathered(whole)
+    assert "whole gradients between micro-batches" in parallel.gathered(whole.parallel, whole.train.grad_accum_steps)
     sgd = smoke_config("train.precision=fp32", "optim.name=sgd", "optim.momentum=0")
     assert parallel.static_memory_bytes(model, units, sgd, 8) == 8 * params  # no optimizer state at all
 

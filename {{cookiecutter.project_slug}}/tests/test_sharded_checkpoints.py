@@ -194,10 +194,10 @@ def test_a_run_that_fails_with_a_write_in_flight_publishes_it_before_it_exits(tm
         time.sleep(1)  # step 4's write still in flight when step 5 fails
         original(partial, final, run_dir, keep_last)
 
-    def failing_step(model, state, cfg, original=train.optimizer_step):
+    def failing_step(model, state, grad_clip, original=train.optimizer_step):
         if state.step == 4:
             raise RuntimeError("injected failure in step 5")
-        original(model, state, cfg)
+        original(model, state, grad_clip)
 
     monkeypatch.setattr(sharded_checkpoint, "publish", slow_publish)
     monkeypatch.setattr(train, "optimizer_step", failing_step)

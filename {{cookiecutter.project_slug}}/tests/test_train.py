@@ -233,7 +233,7 @@ def test_bf16_on_an_unsupported_gpu_is_a_config_error(monkeypatch):
     volta = SimpleNamespace(name="Tesla V100-SXM2-32GB", major=7, minor=0, uuid="GPU-a")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: volta)
     with pytest.raises(config.ConfigError, match="use train.precision=fp16"):
-        train.check_hardware(cfg, cuda_info)
+        train.check_hardware(cfg.train.precision, cuda_info)
 
 
 @needs_cuda
@@ -303,7 +303,7 @@ def test_optimizer_step_frees_the_gradients(monkeypatch):
     cfg = config.load(SMOKE_CONFIG)
     job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
     task.loss_sum(job.model, next(iter(job.train_loader))).backward()
-    train.optimizer_step(job.model, job.state, cfg)
+    train.optimizer_step(job.model, job.state, cfg.train.grad_clip)
     assert all(p.grad is None for p in job.model.parameters())  # set_to_none=True
 
 

@@ -156,7 +156,7 @@ def test_the_step_clips_the_true_gradient_when_a_grad_scaler_scales_the_loss():
     )
     before = torch.cat([p.detach().flatten() for p in model.parameters()])
     state.scaler.scale(model(torch.ones(8, 4)).sum()).backward()  # a gradient norm of about 18
-    train.optimizer_step(model, state, config.load(SMOKE_CONFIG, ["train.grad_clip=0.01"]))
+    train.optimizer_step(model, state, grad_clip=0.01)
     update = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
     assert torch.linalg.vector_norm(update).item() == pytest.approx(0.01, rel=1e-4)
 

@@ -92,10 +92,10 @@ def check_settings(cfg: Config, device: torch.device, sources: config.Sources | 
         raise (sources.located(err) if sources else err) from None
 
 
-def check_hardware(cfg: Config, info: DistInfo) -> None:
+def check_hardware(precision: str, info: DistInfo) -> None:
     """On this rank's own GPU, before any collective: every rank finds the same problem and exits alone."""
     dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
-    problem = hardware.precision_problem(cfg.train.precision, info.device)
+    problem = hardware.precision_problem(precision, info.device)
     if problem:
         raise ConfigError(problem)
 
@@ -210,7 +210,7 @@ def wrap(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
         else:
             model = torch.compile(model)
     if sharded:
-        model = parallel.shard(model, units, cfg, info)
+        model = parallel.shard(model, units, cfg.parallel, cfg.train.precision)
     elif info.distributed:
         model = DDP(
             model,
@@ -297,7 +297,7 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, sto
         with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
             loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
         with clock.optimizer:
-            grad_norm = optimizer_step(job.model, state, cfg)
+            grad_norm = optimizer_step(job.model, state, cfg.train.grad_clip)
         state.step += 1
         state.batch_in_epoch += accum
         log.record(loss_sum, terms, accum * cfg.data.batch_size, grad_norm)
@@ -381,13 +381,13 @@ def autocast(cfg: Config, info: DistInfo):
     return hardware.autocast(cfg.train.precision, info.device)
 
 
-def optimizer_step(model: nn.Module, state: TrainState, cfg: Config) -> torch.Tensor | None:
+def optimizer_step(model: nn.Module, state: TrainState, grad_clip: float | None) -> torch.Tensor | None:
     """Clip, step, zero the gradients, step the schedule; returns the gradient norm before clipping
     (on the device, the same on every rank), or None when train.grad_clip is off."""
     norm = None
-    if cfg.train.grad_clip is not None:
+    if grad_clip is not None:
         state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # fsdp: a DTensor, replicated
     state.scaler.step(state.optimizer)  # fp16: skipped if the gradients overflowed
     state.scaler.update()

@@ -153,16 +153,17 @@ def checkpoint_activations(chosen: list[nn.Module], mode: str) -> list[nn.Module
     return [unit for unit in chosen if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in unit.modules())]
 
 
-def shard(model: nn.Module, chosen: list[nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
-    """fully_shard each BatchNorm layer (in fp32), each unit, then the root."""
+def shard(model: nn.Module, chosen: list[nn.Module], settings: ParallelConfig, precision: str) -> nn.Module:
+    """fully_shard each BatchNorm layer (in fp32), each unit, then the root; parameters gathered in
+    `precision` (train.precision)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    low = LOW_PRECISION.get(cfg.train.precision)
+    low = LOW_PRECISION.get(precision)
     # gathered in low precision, gradients reduced in fp32; autocast still decides each op's precision
     mixed = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     options = {
-        "reshard_after_forward": cfg.parallel.reshard_after_forward,
-        "offload_policy": CPUOffloadPolicy() if cfg.parallel.cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": settings.reshard_after_forward,
+        "offload_policy": CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy(),
     }
     # every BatchNorm a group of its own in fp32, in a unit or not: its buffers stay fp32, and
     # its kernel wants weights of their type
@@ -222,10 +223,10 @@ def static_memory_bytes(model: nn.Module, chosen: list[nn.Module], cfg: Config, 
     return state_bytes(shapes, cfg.optim, world_size) + gathered_bytes
 
 
-def gathered(cfg: Config) -> str:
+def gathered(settings: ParallelConfig, grad_accum_steps: int) -> str:
     """What the FSDP estimate adds to the 1/N share, in words."""
-    extra = "the largest unit gathered" if cfg.parallel.reshard_after_forward else "every unit gathered"
-    if cfg.train.grad_accum_steps > 1 and not cfg.parallel.reduce_every_micro_batch:
+    extra = "the largest unit gathered" if settings.reshard_after_forward else "every unit gathered"
+    if grad_accum_steps > 1 and not settings.reduce_every_micro_batch:
         extra += ", whole gradients between micro-batches"
     return extra
 

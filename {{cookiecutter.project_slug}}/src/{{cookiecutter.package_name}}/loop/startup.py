@@ -91,7 +91,7 @@ def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Mo
         return f"strategy fsdp in a world of one, nothing to shard: {whole}"
     return (
         f"strategy fsdp on {info.world_size} ranks, {len(units)} units: static memory per device ~{mib:.1f} MiB "
-        f"(a 1/{info.world_size} share, {parallel.gathered(cfg)})"
+        f"(a 1/{info.world_size} share, {parallel.gathered(cfg.parallel, cfg.train.grad_accum_steps)})"
     )
 
 

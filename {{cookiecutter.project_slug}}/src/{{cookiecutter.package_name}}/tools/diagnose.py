@@ -32,7 +32,7 @@ from ..base.dist import DistInfo
 from ..base.hardware import Gpu
 from ..base.rules import ConfigError, exit_on_user_error
 from ..base.rundir import RunDir
-from ..config import Config
+from ..config import Config, DataConfig
 from ..loop import loaders, parallel
 from ..loop.profiling import SPLIT
 from . import checks, launch
@@ -73,8 +73,8 @@ def doctor(cfg: Config, nproc: int | None, ports: list[int]) -> list[tuple[str, 
                     "port) or set MASTER_PORT to a free one",
                 )
             )
-    rows += cpu_rows(cfg, ranks)
-    rows.append(shm_row(cfg, ranks))
+    rows += cpu_rows(cfg.data, ranks)
+    rows.append(shm_row())
     for name in sorted(k for k in os.environ if k.startswith("NCCL_") or k in INTERESTING_ENV):
         rows.append((PASS, "env", f"{name}={os.environ[name]}"))
     return rows
@@ -106,10 +106,10 @@ def _capability_row(precision: str, gpu: Gpu) -> tuple[str, str, str]:
     return PASS, f"GPU {gpu.index}", detail + f": {precision} runs natively"
 
 
-def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
+def cpu_rows(data: DataConfig, ranks: int) -> list[tuple[str, str, str]]:
     available = cpus.cpus_available()
-    auto = loaders.workers_per_rank(available, ranks, cfg.data.max_workers)
-    workers = loaders.resolve_workers(cfg.data, available, ranks)
+    auto = loaders.workers_per_rank(available, ranks, data.max_workers)
+    workers = loaders.resolve_workers(data, available, ranks)
     started = ranks * (workers + 1)
     verdict = PASS if started <= available else WARN
     rows = [
@@ -126,7 +126,7 @@ def cpu_rows(cfg: Config, ranks: int) -> list[tuple[str, str, str]]:
     return rows
 
 
-def shm_row(cfg: Config, ranks: int) -> tuple[str, str, str]:
+def shm_row() -> tuple[str, str, str]:
     """Loader workers hand batches over through /dev/shm; docker's default 64 MiB is too small."""
     if not Path("/dev/shm").exists():
         return PASS, "/dev/shm", "absent (not Linux); loader workers use other shared memory"

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     with exit_on_user_error():  # before any collective: every rank finds the same problem
         path, payload = checkpoint.find(args.target)
         cfg = config.with_overrides(payload["config"], args.overrides)
-        train.check_hardware(cfg, info)
+        train.check_hardware(cfg.train.precision, info)
     out = output_of(args.target, path, args.out)
     work = lambda: evaluate(cfg, info, payload, out, args.overrides)  # noqa: E731
     return dist.run_in_group(info, cfg.dist.timeout_minutes, work)

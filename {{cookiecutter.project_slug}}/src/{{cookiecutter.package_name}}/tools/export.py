@@ -31,7 +31,7 @@ import torch
 from .. import task
 from ..base import extras
 from ..base.rules import ConfigError, exit_on_user_error
-from ..config import Config, from_dict
+from ..config import Config, RunConfig, from_dict
 from ..loop import checkpoint
 
 # how to load each export format for inference; neither needs this project's code
@@ -73,7 +73,7 @@ def export_huggingface(target: str | Path, output: str | Path, dtype: str | None
     extras.require("transformers", "export --format huggingface")  # before the checkpoint is read
     path, payload = checkpoint.find(target)
     cfg = from_dict(payload["config"])
-    with launched_from(path, cfg, payload):  # the config's relative paths (dataset.dir) as the run saw them
+    with launched_from(path, cfg.run, payload):  # the config's relative paths (dataset.dir) as the run saw them
         model = task.build_model(cfg)
         tokenizer = task.tokenizer_file(cfg) if hasattr(task, "tokenizer_file") else None
     if not callable(getattr(model, "save_pretrained", None)):
@@ -119,13 +119,13 @@ def special_token_names(model: torch.nn.Module, tokenizer: Path) -> dict[str, st
     return names
 
 
-def run_launch_directory(checkpoint_path: Path, cfg: Config, recorded: str | None = None) -> Path | None:
+def run_launch_directory(checkpoint_path: Path, run: RunConfig, recorded: str | None = None) -> Path | None:
     """The directory a run was launched from: the one its checkpoint records (`recorded`), where it
     still exists; else, for a checkpoint written before they recorded it, found from where it lies:
     the run directory (runs/<name>) is run.out_dir/run.name relative to it. None when neither tells."""
     if recorded is not None and Path(recorded).is_dir():
         return Path(recorded)
-    relative = Path(cfg.run.out_dir) / cfg.run.name
+    relative = Path(run.out_dir) / run.name
     folder = next((p for p in Path(checkpoint_path).resolve().parents if p.name == "checkpoints"), None)
     if relative.is_absolute() or folder is None:
         return None
@@ -137,10 +137,10 @@ def run_launch_directory(checkpoint_path: Path, cfg: Config, recorded: str | Non
 
 
 @contextmanager
-def launched_from(checkpoint_path: Path, cfg: Config, payload: dict):
+def launched_from(checkpoint_path: Path, run: RunConfig, payload: dict):
     """Inside, the working directory is the one the checkpoint's run was launched from (when it can
     be told), so the relative paths in its config (dataset.dir, ...) name what they named then."""
-    directory = run_launch_directory(checkpoint_path, cfg, payload.get("launch_dir"))
+    directory = run_launch_directory(checkpoint_path, run, payload.get("launch_dir"))
     before = Path.cwd()
     if directory is None or not directory.is_dir():
         yield

@@ -62,7 +62,7 @@ def load(path: Path, device: torch.device):
     """(model on `device`, tokenizer) from a checkpoint file or a run directory."""
     found, state = checkpoint.find(path)
     cfg = config.from_dict(state["config"])
-    with launched_from(found, cfg, state):  # dataset.dir as the run read it, wherever this command runs
+    with launched_from(found, cfg.run, state):  # dataset.dir as the run read it, wherever this command runs
         model = task.build_model(cfg)
         tokenizer = load_tokenizer(data.tokenizer_name(cfg))
     if context_of(model) is None:
