@@ -166,7 +166,8 @@ def test_a_runs_launch_directory_is_found_from_where_its_checkpoint_lies(tmp_pat
     assert export.run_launch_directory(saved, cfg.run) == tmp_path / "project"
     sharded = saved.parent / "superseded" / "step_00000005"  # a sharded checkpoint's folder, set aside
     assert export.run_launch_directory(sharded, cfg.run) == tmp_path / "project"
-    assert export.run_launch_directory(tmp_path / "copied" / "checkpoints" / "step_1.pt", cfg.run) is None  # not its run's
+    copied = tmp_path / "copied" / "checkpoints" / "step_1.pt"  # not its run's
+    assert export.run_launch_directory(copied, cfg.run) is None
     assert export.run_launch_directory(saved, config.load(SMOKE_CONFIG, [f"run.out_dir={tmp_path}"]).run) is None
     elsewhere = tmp_path / "launched here"
     elsewhere.mkdir()

@@ -31,7 +31,7 @@ import torch
 from .. import task
 from ..base import extras
 from ..base.rules import ConfigError, exit_on_user_error
-from ..config import Config, RunConfig, from_dict
+from ..config import RunConfig, from_dict
 from ..loop import checkpoint
 
 # how to load each export format for inference; neither needs this project's code
