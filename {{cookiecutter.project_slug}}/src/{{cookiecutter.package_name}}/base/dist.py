@@ -13,6 +13,7 @@ import os
 import random
 import secrets
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,6 +157,10 @@ def teardown(info: DistInfo, orderly: bool = True) -> None:
         if orderly:
             torch_dist.barrier()
         _HOST_GROUP.clear()  # a reference would keep its gloo threads past teardown (torch 2.4)
+        # a gloo worker thread drops a finished collective's tensors after its peers see it done, and
+        # needs the interpreter lock for that; destroy_process_group holds the lock while it joins
+        # those threads (torch 2.4): wait, without the lock, until they are idle
+        time.sleep(0.2)
         torch_dist.destroy_process_group()
         gc.collect()  # module graphs hold cycles: the last reference to the group goes now, not at exit
 
