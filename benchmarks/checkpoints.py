@@ -60,6 +60,7 @@ def work(project: Path, rounds: int, model: list[str]) -> int:
     sys.path.insert(0, str(HERE))
     from ddp_trainer import config, train
     from ddp_trainer.base import dist
+    from ddp_trainer.base.batching import unwrap
     from ddp_trainer.base.dist import DistInfo
     from ddp_trainer.loop import sharded_checkpoint
     from sharded import chunk
@@ -92,7 +93,7 @@ def work(project: Path, rounds: int, model: list[str]) -> int:
             for name, (cfg, job) in jobs.items()
             for path in [cfg.run_dir.saved_checkpoints()[-1]]
         ]
-        params = sum(p.numel() for p in dist.bare(jobs["full"][1].model).parameters())
+        params = sum(p.numel() for p in unwrap(jobs["full"][1].model).parameters())
         dist.print0(info, table(rows, info.world_size, rounds, params, model))
         return 0
 

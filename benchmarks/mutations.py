@@ -94,6 +94,14 @@ EVALUATION, PREFLIGHT, BATCHING, ACROSS_RANKS, METRICS, SMOKE, LAUNCH, CONFIG, T
     )
 )
 PREPARE = in_package("tools/prepare")
+SCHEDULES = in_package("base/schedules")
+EMA, BEST, EARLY_STOPPING, SCALARS = (
+    in_package(m) for m in ("loop/ema", "loop/best_checkpoints", "loop/early_stopping", "base/scalars")
+)
+CALLBACK_RESUME = (
+    "tests/test_callbacks.py::"
+    "test_2_ranks_with_every_built_in_killed_after_a_checkpoint_resume_bit_identical_and_on_1_rank[fsdp]"
+)
 LANGUAGE_MODEL = (("task", "language_model"),)
 ELASTIC_PROOF = (
     "tests/test_elastic.py::"
@@ -191,9 +199,9 @@ MUTANTS = [
     Mutant(
         "clip not applied",
         "gradient clipping",
-        TRAIN,
-        "        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
-        "",
+        SHARDING,
+        "    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n",
+        "    norm = torch.zeros(())\n",
     ),
     Mutant(
         "clip before unscale",
@@ -248,15 +256,15 @@ MUTANTS = [
         "every schedule is cosine",
         "schedule.name: the schedule the settings name",
         OPTIM,
-        '    if schedule.name == "cosine":',
-        "    if True:",
+        "    return schedules.AFTER_WARMUP[schedule.name](step, total_steps, done, shape)",
+        '    return schedules.AFTER_WARMUP["cosine"](step, total_steps, done, shape)',
     ),
     Mutant(
         "step schedule without its drops",
         "schedule.name=step: x gamma at each milestone",
-        OPTIM,
-        "        return schedule.gamma**passed",
-        "        return 1.0",
+        SCHEDULES,
+        "    return shape.gamma**passed",
+        "    return 1.0",
     ),
     Mutant(
         "the task's schedule ignored",
@@ -414,13 +422,13 @@ MUTANTS = [
     Mutant(
         "fsdp clip over the local shard only",
         "FSDP clips the whole gradient's norm",
-        TRAIN,
-        "        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)",
+        SHARDING,
+        "    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)",
         # clip_grad_norm_'s own formula, over each rank's shard instead of the whole gradient
-        "        grads = [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()]\n"
-        "        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
-        "        for g in grads:\n"
-        "            g.mul_((grad_clip / (norm + 1e-6)).clamp(max=1.0))",
+        "    grads = [p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad for p in model.parameters()]\n"
+        "    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))\n"
+        "    for g in grads:\n"
+        "        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))",
         answers=FSDP,
     ),
     Mutant(
@@ -488,8 +496,8 @@ MUTANTS = [
         "epoch position counted in optimizer steps",
         "mid-epoch resume with accumulation: the position in micro-batches",
         TRAIN,
-        "        state.batch_in_epoch += accum",
-        "        state.batch_in_epoch += 1",
+        "    state.batch_in_epoch += len(micro_batches)",
+        "    state.batch_in_epoch += 1",
     ),
     Mutant(
         "no wait for the write in flight before a new save",
@@ -575,36 +583,36 @@ MUTANTS = [
         "schedule.min_lr_ratio ignored",
         "schedule.min_lr_ratio: the floor the decay ends at",
         OPTIM,
-        "    floor, done = schedule.min_lr_ratio, ",
-        "    floor, done = 0.1, ",
+        "    shape = schedules.Shape(schedule.min_lr_ratio, ",
+        "    shape = schedules.Shape(0.1, ",
     ),
     Mutant(
         "schedule.milestones ignored",
         "schedule.milestones: where the step schedule drops",
-        OPTIM,
-        "        passed = sum(step >= round(total_steps * share) for share in schedule.milestones)",
-        "        passed = sum(step >= round(total_steps * share) for share in (0.5, 0.75))",
+        SCHEDULES,
+        "    passed = sum(step >= round(total_steps * share) for share in shape.milestones)",
+        "    passed = sum(step >= round(total_steps * share) for share in (0.5, 0.75))",
     ),
     Mutant(
         "optim.betas ignored",
         "optim.betas: AdamW's decay rates",
         OPTIM,
-        "        return torch.optim.AdamW(groups, lr=lr, betas=tuple(settings.betas), fused=fused)",
-        "        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), fused=fused)",
+        '"betas": tuple(settings.betas),',
+        '"betas": (0.9, 0.999),',
     ),
     Mutant(
         "optim.nesterov ignored",
         "optim.nesterov: SGD's Nesterov momentum",
         OPTIM,
-        "momentum=settings.momentum, nesterov=settings.nesterov, foreach=True)",
-        "momentum=settings.momentum, nesterov=False, foreach=True)",
+        '"nesterov": settings.nesterov}',
+        '"nesterov": False}',
     ),
     Mutant(
         "optim.momentum ignored",
         "optim.momentum: SGD's momentum",
         OPTIM,
-        "momentum=settings.momentum, nesterov=settings.nesterov, foreach=True)",
-        "momentum=0.9, nesterov=settings.nesterov, foreach=True)",
+        '"momentum": settings.momentum,',
+        '"momentum": 0.9,',
     ),
     Mutant(
         "optim.weight_decay ignored",
@@ -841,7 +849,7 @@ MUTANTS = [
         "the smoke check's gradient passes in fp32 whatever the run",
         "the smoke estimate times passes in the run's precision",
         SMOKE,
-        "    with train.autocast(cfg, info):\n        loss = task.loss_sum(model, batch)\n"
+        "    with hardware.autocast(cfg.train.precision, info.device):\n        loss = task.loss_sum(model, batch)\n"
         "    loss.backward()\n    reduced",
         "    loss = task.loss_sum(model, batch)\n    loss.backward()\n    reduced",
     ),
@@ -849,8 +857,8 @@ MUTANTS = [
         "export --dtype ignored",
         "every export option honoured",
         EXPORT,
-        "fmt = export_weights(args.checkpoint, args.output, args.format, args.dtype)",
-        "fmt = export_weights(args.checkpoint, args.output, args.format)",
+        "fmt = export_weights(args.checkpoint, args.output, args.format, args.dtype, args.weights)",
+        "fmt = export_weights(args.checkpoint, args.output, args.format, None, args.weights)",
     ),
     Mutant(
         "diagnose traces loss_sum in the model's own mode",
@@ -895,16 +903,16 @@ MUTANTS = [
         "the gradient norm logged as a sum over ranks",
         "the logged gradient norm is the global one",
         METRICS,
-        '"grad_norm": grad_norm_sum / (self.norms * self.info.world_size)',
-        '"grad_norm": grad_norm_sum / self.norms',
+        '"grad_norm": total["grad_norm_sum"] / (self.norms * info.world_size)',
+        '"grad_norm": total["grad_norm_sum"] / self.norms',
         slow=("tests/test_train.py::test_the_gradient_norm_logged_on_2_ranks_is_one_processs_on_the_global_batch",),
     ),
     Mutant(
         "the log window summed over ranks",
         "the logged step time is the ranks' mean",
         METRICS,
-        "elapsed = windows / self.info.world_size",
-        "elapsed = windows",
+        'elapsed = total["windows"] / info.world_size',
+        'elapsed = total["windows"]',
     ),
     Mutant(
         "the logged speed counts one micro-batch a step",
@@ -944,6 +952,126 @@ MUTANTS = [
         CHECKPOINT,
         "dist.seed_everything(seed + rank)",
         "dist.seed_everything(seed)",
+    ),
+    Mutant(
+        "callbacks' state left out of a full checkpoint",
+        "a callback's state in every checkpoint",
+        CHECKPOINT,
+        '"callbacks": callback_state} | state.state_dict()',
+        '"callbacks": {}} | state.state_dict()',
+    ),
+    Mutant(
+        "callbacks' tensors left out of a sharded checkpoint",
+        "a callback's sharded state stays sharded and comes back",
+        CHECKPOINT,
+        '        tensors["callbacks"] = callback_tensors\n',
+        "        pass\n",
+        slow=(CALLBACK_RESUME,),
+    ),
+    Mutant(
+        "callbacks' state not loaded on a resume",
+        "a callback's state comes back exactly on resume",
+        CHECKPOINT,
+        "    fresh = state.callbacks.load_state_dict(saved_callbacks)",
+        "    fresh = []",
+    ),
+    Mutant(
+        "after_step not called",
+        "callbacks run after each optimizer step",
+        TRAIN,
+        "        callback.after_step(job.run)\n",
+        "        pass\n",
+    ),
+    Mutant(
+        "a callback's models not evaluated",
+        "a callback's models evaluated under their prefix",
+        TRAIN,
+        "        results |= records.prefixed(",
+        "        results = results or records.prefixed(",
+    ),
+    Mutant(
+        "export --weights ema ignored",
+        "EMA weights exported on request",
+        EXPORT,
+        '    if weights == "ema":\n        payload["model"] = checkpoint.ema_weights(path, payload)\n',
+        "",
+    ),
+    Mutant(
+        "a message names a helper that was renamed",
+        "no user-facing text names a helper that does not exist",
+        PREFLIGHT,
+        "through batching.unwrap(model), e.g.",
+        "through samples.unwrap(model), e.g.",
+    ),
+    Mutant(
+        "ema lerp towards the old average",
+        "EMA: decay x average + (1 - decay) x weights",
+        EMA,
+        "torch._foreach_lerp_(self.shadow, live, 1.0 - self.decay)",
+        "torch._foreach_lerp_(self.shadow, live, self.decay)",
+    ),
+    Mutant(
+        "ema start step ignored",
+        "EMA starts at ema.start_step",
+        EMA,
+        "            if run.state.step <= self.start_step:",
+        "            if False:",
+    ),
+    Mutant(
+        "ema weights left in the model after its evaluation",
+        "EMA's evaluation puts the model's weights back",
+        EMA,
+        "            copy_each(live, kept)",
+        "            pass",
+    ),
+    Mutant(
+        "best checkpoints ranked the wrong way",
+        "the best k by the metric's direction",
+        BEST,
+        'reverse=self.goal == "max")',
+        'reverse=self.goal == "min")',
+    ),
+    Mutant(
+        "best checkpoints not linked",
+        "the best k kept in checkpoints/best/",
+        BEST,
+        "            linked(path, best_dir(run) / path.name)\n            set_aside",
+        "            set_aside",
+    ),
+    Mutant(
+        "best entries of an abandoned timeline kept",
+        "a resume sets aside best/ entries written after its checkpoint",
+        BEST,
+        "        set_aside_unranked(best_dir(run), {step for step, _ in self.ranked}, run)\n",
+        "",
+    ),
+    Mutant(
+        "early stopping forgets its decision on a requeue",
+        "a stopped run stays stopped",
+        EARLY_STOPPING,
+        "        if self.reason:\n            run.stop(self.reason)",
+        "        pass",
+    ),
+    Mutant(
+        "early stopping without min_delta",
+        "early stopping's min_delta",
+        EARLY_STOPPING,
+        'better = value + self.min_delta if self.goal == "min" else value - self.min_delta',
+        "better = value",
+    ),
+    Mutant(
+        "named scalar max summed",
+        "named scalars: each by its reduction",
+        SCALARS,
+        '        elif reduce == "max":\n            self.values[name] = torch.maximum(self.values[name], value)\n        else:',
+        "        else:",
+    ),
+    Mutant(
+        "named scalars' new names never agreed",
+        "named scalars reach the log window",
+        METRICS,
+        "            scalar_values |= self.agree_on_new_names(total[\"terms\"])",
+        "            pass",
     ),
 ]
 

@@ -6,7 +6,7 @@
 Bakes the language-model starter and launches itself under torchrun on 2 CPU processes of 1
 thread (gloo). One launch builds the four setups (ddp and fsdp, each without and with
 parallel.activation_checkpointing=full) with the loop's own train.build, then runs chunks of
-optimizer steps through the loop's own step (accumulate_gradients, optimizer_step), setup after
+optimizer steps through the loop's own step (train_step), setup after
 setup, round after round, so drifts in machine load hit all alike. Printed per setup: the median
 step time and its ratio to ddp's; each rank's bytes of weights, gradients and optimizer state
 (what FSDP shards) and the bytes autograd saved for backward in one step (what checkpointing
@@ -60,6 +60,7 @@ def work(project: Path, steps: int, rounds: int, model: list[str]) -> int:
     sys.path.insert(0, str(project / "src"))
     from ddp_trainer import config, train
     from ddp_trainer.base import dist
+    from ddp_trainer.base.batching import unwrap
     from ddp_trainer.base.dist import DistInfo
     from ddp_trainer.loop import parallel
 
@@ -79,7 +80,7 @@ def work(project: Path, steps: int, rounds: int, model: list[str]) -> int:
         for name, (cfg, job) in jobs.items():
             step = statistics.median(times[name])
             rows.append((name, step, held_bytes(job, parallel), saved_bytes(job, cfg, info)))
-        params = sum(p.numel() for p in dist.bare(jobs["ddp"][1].model).parameters())
+        params = sum(p.numel() for p in unwrap(jobs["ddp"][1].model).parameters())
         dist.print0(info, table(rows, info.world_size, steps, rounds, params, model))
         return 0
 
@@ -102,8 +103,7 @@ def chunk(job, cfg, info, steps: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         micro_batches = [next(source) for _ in range(cfg.train.grad_accum_steps)]
-        train.accumulate_gradients(job, micro_batches, cfg, info)
-        train.optimizer_step(job.model, job.state, cfg.train.grad_clip)
+        train.train_step(job, micro_batches, cfg, info)
     return (time.perf_counter() - start) / steps
 
 

@@ -7,15 +7,16 @@ from ddp_trainer import train
 from timing import write_timings
 
 step_times = []
-untimed_step = train.optimizer_step
+untimed_step = train.train_step
 
 
-def timed_step(model, state, grad_clip):
-    untimed_step(model, state, grad_clip)
+def timed_step(*args):
+    result = untimed_step(*args)
     step_times.append(time.time())
+    return result
 
 
-train.optimizer_step = timed_step
+train.train_step = timed_step
 
 if __name__ == "__main__":
     code = train.main()

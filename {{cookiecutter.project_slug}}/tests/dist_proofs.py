@@ -30,12 +30,15 @@ from torch.utils.data import Dataset, Subset
 # run as a script (`torchrun tests/dist_proofs.py`), it finds the project's package without installing it
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from helpers import whole_checkpoint  # noqa: E402
+from helpers import resume, whole_checkpoint  # noqa: E402
 
 from {{ cookiecutter.package_name }} import config, task, train  # noqa: E402
 from {{ cookiecutter.package_name }}.base import dist, preemption, records  # noqa: E402
 from {{ cookiecutter.package_name }}.base.across_ranks import as_one_process, gather_from_ranks, gathers_replaced  # noqa: E402
-from {{ cookiecutter.package_name }}.base.batching import drawn_from  # noqa: E402
+from {{ cookiecutter.package_name }}.base.batching import (
+    drawn_from,  # noqa: E402
+    unwrap,  # noqa: E402
+)
 from {{ cookiecutter.package_name }}.base.dist import DistInfo  # noqa: E402
 from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, optim, parallel, preflight, sharded_checkpoint  # noqa: E402
 from {{ cookiecutter.package_name }}.tools import checks  # noqa: E402
@@ -166,12 +169,12 @@ def reference_gradient_error(cfg, world_size: int, steps: list) -> float:
 def forwards_seeded(info: DistInfo):
     """The loop's forwards draw as the reference's do: micro-batch k of optimizer step s on rank r
     from draw_seed(s, r, k), counting the steps from the first one in it."""
-    accumulate, loss_sum, position = train.accumulate_gradients, task.loss_sum, {"step": 0, "micro": 0}
+    train_step, loss_sum, position = train.train_step, task.loss_sum, {"step": 0, "micro": 0}
 
-    def accumulate_counted(job, micro_batches, cfg, info_):
+    def step_counted(job, micro_batches, cfg, info_):
         position["micro"] = 0
         try:
-            return accumulate(job, micro_batches, cfg, info_)
+            return train_step(job, micro_batches, cfg, info_)
         finally:
             position["step"] += 1
 
@@ -180,28 +183,29 @@ def forwards_seeded(info: DistInfo):
             position["micro"] += 1
             return loss_sum(model, batch)
 
-    train.accumulate_gradients, task.loss_sum = accumulate_counted, loss_sum_seeded
+    train.train_step, task.loss_sum = step_counted, loss_sum_seeded
     try:
         yield
     finally:
-        train.accumulate_gradients, task.loss_sum = accumulate, loss_sum
+        train.train_step, task.loss_sum = train_step, loss_sum
 
 
 @contextmanager
 def steps_recorded(steps: list):
-    """Keep, at each optimizer step of the loop, its weights and the gradient it is about to apply."""
-    optimizer_step = train.optimizer_step
+    """Keep, at each optimizer step of the loop, its weights and the gradient it is about to clip
+    and apply (the step clips, or not, at parallel.clip_gradients)."""
+    clip_gradients = parallel.clip_gradients
 
-    def recording(model, state, grad_clip) -> None:
+    def recording(model, max_norm):
         gradients = [None if p.grad is None else whole(p.grad).detach().clone() for p in model.parameters()]
         steps.append((whole_weights(model), gradients))  # None stays None: the optimizer skips such a parameter
-        optimizer_step(model, state, grad_clip)
+        return clip_gradients(model, max_norm)
 
-    train.optimizer_step = recording
+    parallel.clip_gradients = recording
     try:
         yield
     finally:
-        train.optimizer_step = optimizer_step
+        parallel.clip_gradients = clip_gradients
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,7 +224,7 @@ def zeros_if_none(gradient: torch.Tensor | None, like: torch.Tensor) -> torch.Te
 
 
 def whole_weights(model) -> dict:
-    return {name: whole(value).detach().clone() for name, value in dist.bare(model).state_dict().items()}
+    return {name: whole(value).detach().clone() for name, value in unwrap(model).state_dict().items()}
 
 
 def world_of_one() -> DistInfo:
@@ -267,19 +271,21 @@ def prove_ddp_equals_big_batch(out: Path, overrides: list[str], info: DistInfo, 
 
 def reference_update_error(cfg, job: train.Job, steps: list, final_weights: dict) -> float:
     """Largest difference between the loop's weights after its steps and those of one plain
-    model that the loop's own optimizer step (clipping, optimizer, schedule) moves with the
-    loop's gradients, relative to the largest weight: under FSDP each rank updates its shard,
-    and the whole must be the update of the whole."""
+    model that the same clipping, optimizer and schedule move with the loop's gradients, relative
+    to the largest weight: under FSDP each rank updates its shard, and the whole must be the
+    update of the whole."""
     model = task.build_model(cfg)
     model.load_state_dict(steps[0][0])
     warmup = optim.warmup_fraction(cfg.schedule.warmup_fraction, job.global_batch, cfg.optim.reference_batch_size)
     optimizer = optim.build_optimizer(model, cfg, job.state.optimizer.param_groups[0]["initial_lr"])
     scheduler = optim.build_scheduler(optimizer, cfg, job.total_steps, warmup)
-    state = train.TrainState(optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
     for _, gradients in steps:
         for param, gradient in zip(model.parameters(), gradients, strict=True):
             param.grad = None if gradient is None else gradient.clone()
-        train.optimizer_step(model, state, cfg.train.grad_clip)
+        parallel.clip_gradients(model, cfg.train.grad_clip)  # the scaler is off: nothing to unscale
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
     params = dict(model.named_parameters())
     largest = max(final_weights[name].abs().max().item() for name in params)
     return max((final_weights[name] - param).abs().max().item() for name, param in params.items()) / largest
@@ -370,7 +376,7 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     if len(loaders.datasets(cfg)[0]) < sum(sizes):
         return {"terms": [], "unreduced": f"the training set holds fewer than the {sum(sizes)} samples this proof uses"}
     job = train.build(cfg, info)
-    reference = copy.deepcopy(dist.bare(job.model))
+    reference = copy.deepcopy(unwrap(job.model))
     batches = unequal_batches(cfg, job.train_loader.collate_fn, info.world_size)
     terms = [float(task.count_terms(b)) for b in batches]
     reference.train()
@@ -378,15 +384,17 @@ def prove_unequal_terms_are_weighted_globally(out: Path, overrides: list[str], i
     if unreduced:
         return {"terms": terms, "unreduced": unreduced}
     job.model.train()
-    with forwards_seeded(info):
-        train.accumulate_gradients(job, [batches[info.rank]], cfg, info)
+    recorded = []
+    with forwards_seeded(info), steps_recorded(recorded):
+        train.train_step(job, [batches[info.rank]], cfg, info)
+    loop_gradients = [zeros_if_none(g, whole(p)) for g, p in zip(recorded[0][1], job.model.parameters(), strict=True)]
     reference.zero_grad(set_to_none=True)
     reference_gradients(reference, [[batch] for batch in batches])
     mean_of_means = copy.deepcopy(reference)
     mean_of_means.zero_grad(set_to_none=True)
     losses = rank_losses(mean_of_means, batches, 0, 0)
     sum(loss / terms for loss, terms in zip(losses, terms, strict=True)).div(len(batches)).backward()
-    gradients = [list(map(gradient_of, m.parameters())) for m in (job.model, reference, mean_of_means)]
+    gradients = [loop_gradients, *(list(map(gradient_of, m.parameters())) for m in (reference, mean_of_means))]
     pairs = list(zip(*gradients, strict=True))
     return {
         "terms": terms,
@@ -717,7 +725,7 @@ def prove_resume(out: Path, overrides: list[str], info: DistInfo, path: Path) ->
     strategy, any world size), and gather their whole state back: is it the file's, bit for bit?"""
     cfg = exact_config(out, overrides, "run.name=resumed")
     job = train.build(cfg, info)
-    checkpoint.resume(job.model, job.state, cfg.run_dir, str(path), info, config.to_dict(cfg))
+    resume(job.model, job.state, cfg.run_dir, str(path), info, config.to_dict(cfg))
     weights, optimizer = checkpoint.full_state(job.model, job.state.optimizer)
     if not info.is_main:
         return {}
@@ -816,7 +824,7 @@ def prove_fsdp_settings(out: Path, overrides: list[str], info: DistInfo) -> dict
             batch = task.to_device(next(iter(train_loader)), info.device)
             with parallel.micro_batch(model, False, cfg.parallel, info):
                 loss = task.loss_sum(model, batch)
-                units = parallel.units(dist.bare(model))
+                units = parallel.units(unwrap(model))
                 gathered = all(not hasattr(p, "full_tensor") for unit in units for p in unit.parameters())
                 loss.backward()
             reduced = all(p.grad is not None for p in model.parameters())

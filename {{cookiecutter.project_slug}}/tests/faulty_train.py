@@ -42,7 +42,7 @@ FAULT_STEP = int(os.environ.get("FAULT_STEP", "3"))
 FAULT_SECONDS = float(os.environ.get("FAULT_SECONDS", "0.05"))
 RANK = int(os.environ.get("RANK", "0"))
 RECORD = os.environ.get("RECORD")
-original_step = train.optimizer_step
+original_step = train.train_step
 steps_done = 0
 read_since_last_step: list[int] = []
 
@@ -57,9 +57,9 @@ def should_fire() -> bool:
     return True
 
 
-def faulty_optimizer_step(model, state, grad_clip):
+def faulty_train_step(job, micro_batches, cfg, info):
     global steps_done
-    steps_done = state.step + 1
+    steps_done = job.state.step + 1
     if RECORD:
         with open(f"{RECORD}-rank{RANK}.jsonl", "a") as record:
             record.write(json.dumps({"step": steps_done, "indices": read_since_last_step}) + "\n")
@@ -68,9 +68,10 @@ def faulty_optimizer_step(model, state, grad_clip):
         raise RuntimeError(f"injected crash in step {steps_done}")
     if FAULT == "stall" and RANK == FAULT_RANK and steps_done == FAULT_STEP:
         time.sleep(FAULT_SECONDS)
-    original_step(model, state, grad_clip)
+    result = original_step(job, micro_batches, cfg, info)
     if FAULT == "slow":
         time.sleep(FAULT_SECONDS)
+    return result
 
 
 def slow_publish(partial, final, run_dir, keep_last, original=sharded_checkpoint.publish):
@@ -168,7 +169,7 @@ def fetching_model(cfg, original=task.build_model):
     return original(cfg)
 
 
-train.optimizer_step = faulty_optimizer_step
+train.train_step = faulty_train_step
 if FAULT == "wrong_output":
     task.build_model = mistaken_model
 if FAULT in ("wrong_structure", "bad_label"):

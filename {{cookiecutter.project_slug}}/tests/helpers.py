@@ -1,4 +1,4 @@
-"""Test models for the diagnostics, and a checkpoint of either format read whole."""
+"""Test models for the diagnostics, a checkpoint of either format read whole, and a resume in one call."""
 
 import tempfile
 from pathlib import Path
@@ -7,7 +7,10 @@ import torch
 from torch import nn
 
 from {{ cookiecutter.package_name }} import task
-from {{ cookiecutter.package_name }}.loop import checkpoint
+from {{ cookiecutter.package_name }}.base.dist import DistInfo
+from {{ cookiecutter.package_name }}.base.rundir import RunDir
+from {{ cookiecutter.package_name }}.loop import callbacks, checkpoint
+from {{ cookiecutter.package_name }}.loop.state import TrainState
 
 
 class WithUnusedHead(nn.Module):
@@ -35,7 +38,8 @@ def model_with_unused_head(cfg):
 
 def whole_checkpoint(path: Path) -> dict:
     """Everything a checkpoint holds, in one dict, whichever its format: a sharded one's parts
-    joined with DCP's own converter (weights and the optimizer's state by parameter name)."""
+    joined with DCP's own converter (weights, the optimizer's state by parameter name, and the
+    callbacks' state, its tensors and the rest together)."""
     payload = checkpoint.load_file(path)
     if not payload.get("sharded"):
         return payload
@@ -44,4 +48,19 @@ def whole_checkpoint(path: Path) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         joined = Path(scratch) / "whole.pt"
         dcp_to_torch_save(path, joined)
-        return payload | torch.load(joined, weights_only=True)
+        tensors = torch.load(joined, weights_only=True)
+    # the callbacks' tensors were written with the weights, the rest of their state in state.pt
+    return (
+        payload | tensors | {"callbacks": callbacks.joined(tensors.get("callbacks", {}), payload.get("callbacks", {}))}
+    )
+
+
+def resume(
+    model: nn.Module, state: TrainState, run_dir: RunDir, setting: str, info: DistInfo, config: dict
+) -> Path | None:
+    """checkpoint.choose and checkpoint.restore in one, as train.run calls them: the checkpoint
+    `setting` names into `model` and `state`; returns the file used, or None."""
+    chosen, payload = checkpoint.choose(run_dir, setting, info)
+    if chosen is not None:
+        checkpoint.restore(model, state, chosen, payload, info, config)
+    return chosen

@@ -1,7 +1,7 @@
 """Stand-in tasks that the suite installs in place of the project's seam, to hold the seam's
 contract whatever model the project trains: the loop, every test and helper, the smoke check,
 `diagnose` and the proofs reach the model only through the task's functions, pass its arguments
-through unchanged, and the task reads its module's attributes through samples.unwrap.
+through unchanged, and the task reads its module's attributes through batching.unwrap.
 
     recurrent  forward(tokens, state) -> (logits, state): a state it cannot run without, from the
                module's own init_state (reached with unwrap: the model the task gets is wrapped)

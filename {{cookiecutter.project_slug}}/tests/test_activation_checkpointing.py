@@ -9,7 +9,7 @@ from dist_proofs import DropoutBlocks
 from torch import nn
 
 from {{ cookiecutter.package_name }} import config, task, train
-from {{ cookiecutter.package_name }}.base import dist
+from {{ cookiecutter.package_name }}.base.batching import unwrap
 from {{ cookiecutter.package_name }}.loop import loaders, parallel
 
 
@@ -60,7 +60,7 @@ def test_activation_checkpointing_makes_the_tasks_units_recompute_under_either_s
         cfg = config.load(SMOKE_CONFIG, [*settings, "data.num_workers=0"])
         torch.manual_seed(0)
         model = train.wrap(task.build_model(cfg), cfg, WORLD_OF_ONE)  # the loop's own wrapping (fsdp: a world of one)
-        units = parallel.units(dist.bare(model))
+        units = parallel.units(unwrap(model))
         recomputed[mode] = sum(getattr(unit.forward, "func", None) is parallel.checkpoint for unit in units)
         train_loader, _ = loaders.build_loaders(*task.build_datasets(cfg), cfg, WORLD_OF_ONE, 0)
         saved[mode] = saved_for_backward(model, next(iter(train_loader)))

@@ -15,6 +15,7 @@ from {{ cookiecutter.package_name }} import config, task, train
 from {{ cookiecutter.package_name }}.base import batching, cpus
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import loaders, preflight
+from {{ cookiecutter.package_name }}.loop.callbacks import Run
 from {{ cookiecutter.package_name }}.loop.samplers import EvalBatches
 from {{ cookiecutter.package_name }}.loop.state import TrainState
 from {{ cookiecutter.package_name }}.model import build_model
@@ -184,7 +185,18 @@ def test_a_persistent_workers_batch_in_epoch_1_is_a_fresh_loaders_epoch_1_batch(
 
     monkeypatch.setattr(train, "train_one_epoch", one_batch)
     monkeypatch.setattr(train, "run_evaluation", lambda *args: None)
-    job = train.Job(None, TrainState(None, None, None), loader, None, 2, 4, None, None, [])
+    state = TrainState(None, None, None)
+    run = Run(None, state, None, None, 2)
+    job = train.Job(
+        model=None,
+        state=state,
+        run=run,
+        train_loader=loader,
+        eval_loader=None,
+        total_steps=2,
+        global_batch=4,
+        clock=None,
+    )
     train.fit(job, cfg, info(0, 1, 1), log=None, stop=None)
     _, fresh = persistent_loader("fork", monkeypatch)  # started in epoch 1: the reference, whatever starts the workers
     fresh.sampler.set_epoch(1)

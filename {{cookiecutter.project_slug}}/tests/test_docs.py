@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PACKAGE, PROJECT
+from torch import nn
 
 from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.loop import parallel
@@ -71,6 +72,63 @@ def module_has(name: str, attribute: str) -> bool:
         except ModuleNotFoundError:
             continue
     return False
+
+
+@cache
+def is_module(name: str) -> bool:
+    """Whether the package has a module `name` (train, task, batching, checkpoint, tools.export, ...)."""
+    places = (f"{PACKAGE}.{name}", *(f"{PACKAGE}.{layer}.{name}" for layer in ("loop", "base", "tools")))
+    for place in places:
+        try:
+            if importlib.util.find_spec(place) is not None:
+                return True
+        except ModuleNotFoundError:  # a parent that is no package
+            continue
+    return False
+
+
+def strings_of(path: Path) -> list[str]:
+    """The string constants of a source file that are not docstrings, f-strings' literal parts
+    included: what it prints and raises."""
+    tree = ast.parse(path.read_text())
+    documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, documented) and node.body and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_every_helper_the_packages_messages_name_exists():
+    # a message that sends the user to module.name (batching.unwrap, task.build_scheduler) must name
+    # one that exists: a helper renamed or removed leaves no message pointing at it
+    fields = {name: {f for f in type(section).__dataclass_fields__} for name, section in vars(config.Config()).items()}
+    sources = sorted((PROJECT / "src" / PACKAGE).rglob("*.py"))
+    # the seam's optional functions: those the loop looks for, and those task.py's docstring lists
+    optional = {name for path in sources for name in re.findall(r'hasattr\(task, "(\w+)"\)', path.read_text())}
+    optional |= set(re.findall(r"\w+", importlib.import_module(f"{PACKAGE}.task").__doc__))
+    wrong = []
+    for path in sources:
+        for text in strings_of(path):
+            named = re.findall(r"(?<![\w./-])([a-z_][a-z0-9_]*)\.([a-z_][a-z0-9_]*)\b(?!\.\w)(\(?)", text)
+            for module, attribute, called in set(named):
+                if called and not is_module(module) and importlib.util.find_spec(module) is None:
+                    wrong.append(f"{path.name}: {module}.{attribute}(), and there is no module {module}")
+                if not is_module(module) or attribute in FILE_SUFFIXES or attribute in fields.get(module, ()):
+                    continue
+                if f"{module}.{attribute}" in config.RENAMED or is_module(f"{module}.{attribute}"):
+                    continue  # a setting's earlier name; a module of a layer (tools.export)
+                if module == "model" and hasattr(nn.Module, attribute):
+                    continue  # the variable a loader line calls, not model.py
+                if module_has(module, attribute) or (module == "task" and attribute in optional):
+                    continue
+                wrong.append(f"{path.name}: {module}.{attribute}")
+    assert not wrong, f"messages name helpers that do not exist: {sorted(set(wrong))}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)

@@ -21,7 +21,7 @@ from conftest import (
     train_args,
     wait_for,
 )
-from helpers import whole_checkpoint
+from helpers import resume, whole_checkpoint
 
 from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.base import preemption
@@ -228,13 +228,13 @@ def test_corrupt_checkpoints_are_skipped_by_auto_and_rejected_by_path(tmp_path):
     assert not any("checkpoint.resume" in str(warning.message) for warning in skipped)  # auto is what runs
     assert path.name == "step_00000002.pt" and state["step"] == 2
     model, resumed = small_run(0)
-    assert checkpoint.resume(model, resumed, run_dir, "auto", INFO, SETTINGS).name == "step_00000002.pt"
+    assert resume(model, resumed, run_dir, "auto", INFO, SETTINGS).name == "step_00000002.pt"
     assert resumed.step == 2
     truncated = str(tmp_path / "checkpoints" / "step_00000003.pt")
     with pytest.raises(
         ConfigError, match="checkpoint.resume: checkpoint .*step_00000003.pt is unreadable .* pass another"
     ):
-        checkpoint.resume(*small_run(0), run_dir, truncated, INFO, SETTINGS)
+        resume(*small_run(0), run_dir, truncated, INFO, SETTINGS)
 
 
 def test_weights_with_nan_are_never_written_and_never_resumed_from(tmp_path):
@@ -251,9 +251,9 @@ def test_weights_with_nan_are_never_written_and_never_resumed_from(tmp_path):
     payload = checkpoint.load_file(run_dir.checkpoint(1)) | {"model": broken.state_dict(), "step": 2}
     torch.save(payload, run_dir.checkpoint(2))
     with pytest.warns(UserWarning, match="step_00000002.pt: [0-9]+ of its weights hold nan or inf"):
-        assert checkpoint.resume(*small_run(0), run_dir, "auto", INFO, SETTINGS).name == "step_00000001.pt"
+        assert resume(*small_run(0), run_dir, "auto", INFO, SETTINGS).name == "step_00000001.pt"
     with pytest.raises(ConfigError, match="checkpoint.resume: .*step_00000002.pt: [0-9]+ of its weights hold"):
-        checkpoint.resume(*small_run(0), run_dir, str(run_dir.checkpoint(2)), INFO, SETTINGS)
+        resume(*small_run(0), run_dir, str(run_dir.checkpoint(2)), INFO, SETTINGS)
 
 
 @pytest.mark.usefixtures("process_settings")
@@ -271,11 +271,11 @@ def test_a_resume_with_changed_settings_names_them(tmp_path, capsys):
     checkpoint.save(*small_run(3), run_dir, written, INFO, keep_last=1)
     now = SETTINGS | lr | {"train": train_settings | {"epochs": 1}}
     now["checkpoint"] = checkpoint_settings | {"resume": "step_3.pt"}
-    checkpoint.resume(*small_run(0), run_dir, "auto", INFO, now)
+    resume(*small_run(0), run_dir, "auto", INFO, now)
     note = capsys.readouterr().out
     assert note.startswith("note: resuming step_00000003.pt with settings changed since it was written: ")
     assert "train.epochs 10 -> 1;" in note and "lr" not in note.split(";")[0] and "checkpoint.resume" not in note
-    checkpoint.resume(*small_run(0), run_dir, "auto", INFO, written)
+    resume(*small_run(0), run_dir, "auto", INFO, written)
     assert capsys.readouterr().out == ""
 
 
@@ -291,7 +291,7 @@ def test_resuming_another_models_checkpoint_is_one_config_error_that_names_the_f
     torch.save(payload, other)
     model, resumed = small_run(0)
     with pytest.raises(ConfigError) as error:
-        checkpoint.resume(model, resumed, RunDir(tmp_path), str(other), INFO, SETTINGS)
+        resume(model, resumed, RunDir(tmp_path), str(other), INFO, SETTINGS)
     assert str(error.value) == (
         f"checkpoint.resume: {other} holds another model (parameters and buffers: 1 missing, e.g. {missing}, "
         f"1 unexpected, e.g. extra_head.weight, 1 of another shape, e.g. {reshaped}): the model settings "

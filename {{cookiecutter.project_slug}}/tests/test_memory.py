@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from {{ cookiecutter.package_name }} import config, task
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.loop import loaders, optim, parallel
-from {{ cookiecutter.package_name }}.tools import diagnose
+from {{ cookiecutter.package_name }}.tools import diagnose, saved_activations
 
 CPU = DistInfo(0, 0, 1, 1, torch.device("cpu"), "none")
 OPTIMIZERS = [
@@ -120,7 +120,7 @@ def test_the_activation_estimate_on_fake_tensors_is_what_a_real_forward_saves_wi
     with FakeTensorMode(allow_non_fake_inputs=True):  # as diagnose memory: no memory; the stand-in always traces
         diagnose.on_fake_cpu(fake)
         diagnose.gathered_in(fake, dtype)
-        estimate = parallel.saved_for_backward(fake, batch, parallel.units(fake), precision)
+        estimate = saved_activations.saved_for_backward(fake, batch, parallel.units(fake), precision)
     for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
         model = task.build_model(cfg)
@@ -143,7 +143,7 @@ def test_diagnose_memory_says_what_fits_under_each_strategy_and_checkpointing_on
         diagnose.on_fake_cpu(fake)
         rows = {(row[0], row[1]): row[2:] for row in diagnose.memory_rows(cfg, fake, batch, 8)}
         units = parallel.units(fake)
-        saved = parallel.saved_for_backward(fake, batch, units, "fp32")
+        saved = saved_activations.saved_for_backward(fake, batch, units, "fp32")
     ddp, fsdp = rows["ddp", "none"], rows["fsdp", "full"]  # weights, gradients, optimizer state, activations
     steps = 4 * len(list(fake.parameters()))  # AdamW's step count, one a parameter tensor
     assert ddp[:3] == (4 * params, 4 * params, 8 * params + steps)  # fp32 weights, gradients, AdamW's two moments

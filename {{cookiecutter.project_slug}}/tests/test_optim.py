@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.base import optimizers, schedules
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.loop import optim
 
@@ -57,7 +58,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["defaults", "other-values"])
-@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd", "step"])
+@pytest.mark.parametrize("schedule", list(schedules.AFTER_WARMUP))
 def test_each_schedule_warms_up_then_follows_its_formula(schedule, shape):
     model = torch.nn.Linear(2, 2)
     cfg = config.load(None, [f"schedule.name={schedule}", *(f"schedule.{key}={value}" for key, value in shape.items())])
@@ -93,15 +94,16 @@ def test_norms_and_biases_are_not_decayed():
     assert len(plain["params"]) == 3 and plain["weight_decay"] == 0.0  # bias, norm weight and bias
 
 
-@pytest.mark.parametrize(
-    ("name", "kind", "options"),
-    [
-        ("adamw", torch.optim.AdamW, {"betas": (0.8, 0.95), "fused": True}),
-        ("sgd", torch.optim.SGD, {"momentum": 0.5, "nesterov": True, "foreach": True}),
-        ("adafactor", getattr(torch.optim, "Adafactor", None), {"foreach": True}),
-    ],
-)
-def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name, kind, options):
+BUILT = {  # each optimizer of base/optimizers.py: its class and the settings it must get
+    "adamw": (torch.optim.AdamW, {"betas": (0.8, 0.95), "fused": True}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.5, "nesterov": True, "foreach": True}),
+    "adafactor": (getattr(torch.optim, "Adafactor", None), {"foreach": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(optimizers.BUILDERS))
+def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name):
+    kind, options = BUILT[name]  # a new optimizer says here what it is built with
     if kind is None:
         pytest.skip(f"torch.optim.Adafactor needs torch>=2.5; this is {torch.__version__}")
     overrides = [f"optim.name={name}", "optim.betas=[0.8, 0.95]", "optim.momentum=0.5", "optim.nesterov=true"]
@@ -114,7 +116,7 @@ def test_each_optimizer_is_built_with_its_settings_over_the_two_groups(name, kin
     optimizer.step()  # the fused or multi-tensor kernel exists in this torch, on this device
 
 
-@pytest.mark.parametrize("name", ["adamw", "sgd", "adafactor"])
+@pytest.mark.parametrize("name", list(optimizers.BUILDERS))
 def test_each_optimizer_steps_a_parameter_whose_first_gradient_comes_later(name):
     """A routed model's expert that no token chose has no gradient until a later step."""
     if name == "adafactor" and not hasattr(torch.optim, "Adafactor"):

@@ -156,13 +156,13 @@ def test_the_gradient_check_times_both_passes_in_the_runs_precision(monkeypatch)
     """The estimate comes from these passes: in fp32 they would misjudge a bf16 run, by 10x where
     a CPU emulates bf16."""
     entered = []
-    real_autocast = smoke.train.autocast
+    real_autocast = smoke.hardware.autocast
 
-    def recording_autocast(cfg, info):
-        entered.append(cfg.train.precision)
-        return real_autocast(cfg, info)
+    def recording_autocast(precision, device):
+        entered.append(precision)
+        return real_autocast(precision, device)
 
-    monkeypatch.setattr(smoke.train, "autocast", recording_autocast)
+    monkeypatch.setattr(smoke.hardware, "autocast", recording_autocast)
     monkeypatch.setattr(
         smoke, "task", SimpleNamespace(to_device=lambda batch, device: batch, loss_sum=lambda m, b: m(b).sum())
     )

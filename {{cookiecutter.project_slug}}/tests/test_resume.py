@@ -63,13 +63,13 @@ def run_here(tmp_path, process_settings, monkeypatch, capsys):
     """`run_here(name, *overrides)` runs train.run on the smoke config in this process, under
     tmp_path/name, with the first train.samples (default 48) of the task's training set and 8
     evaluation samples; returns (its config, what it did)."""
-    accumulate, one_epoch, build_datasets = train.accumulate_gradients, train.train_one_epoch, task.build_datasets
+    train_step, one_epoch, build_datasets = train.train_step, train.train_one_epoch, task.build_datasets
     watched = Watched()
     samples = {"train": 48}
 
     def counted(job, micro_batches, cfg, info):
         watched.steps.append([num_samples(batch) for batch in micro_batches])
-        return accumulate(job, micro_batches, cfg, info)
+        return train_step(job, micro_batches, cfg, info)
 
     def epoch(*args):
         watched.epochs.append([])
@@ -79,7 +79,7 @@ def run_here(tmp_path, process_settings, monkeypatch, capsys):
         train_set, eval_set = build_datasets(cfg)
         return Read(Subset(train_set, range(samples["train"])), watched.epochs), Subset(eval_set, range(8))
 
-    monkeypatch.setattr(train, "accumulate_gradients", counted)
+    monkeypatch.setattr(train, "train_step", counted)
     monkeypatch.setattr(train, "train_one_epoch", epoch)
     monkeypatch.setattr(task, "build_datasets", datasets)
 

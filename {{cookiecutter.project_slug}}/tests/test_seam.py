@@ -1,7 +1,7 @@
 """The seam's contract, held whatever model the project trains: the loop, the tests and their
 helpers, the smoke check, `diagnose` and the proofs call the model only through the task's
 functions and pass its arguments through unchanged, and a task reaches its module through
-samples.unwrap. Three stand-in tasks (tests/stand_ins.py) are installed in place of the project's
+batching.unwrap. Three stand-in tasks (tests/stand_ins.py) are installed in place of the project's
 seam: a model whose forward requires a state, one called with keyword arguments only, and one that
 routes tokens to experts, which some batches leave without a gradient. The fast tier runs them in
 this process; the slow tier runs the proofs and the smoke check on them on 2 ranks, under ddp (and
@@ -152,7 +152,7 @@ def test_a_task_that_reads_its_module_off_the_wrapped_model_stops_before_trainin
     cfg = config.load(SMOKE_CONFIG, QUICK)
     datasets = task.build_datasets(cfg)
     pieces = list(zip(datasets, loaders.build_loaders(*datasets, cfg, WORLD_OF_ONE, 0), strict=True))
-    with pytest.raises(preflight.TaskError, match=r"has no attribute 'init_state'.*samples\.unwrap\(model\)"):
+    with pytest.raises(preflight.TaskError, match=r"has no attribute 'init_state'.*batching\.unwrap\(model\)"):
         preflight.check_task(task.build_model(cfg), *pieces)
     monkeypatch.setattr(task, "loss_sum", RecurrentTask.loss_sum)  # through unwrap: the check passes
     preflight.check_task(task.build_model(cfg), *pieces)

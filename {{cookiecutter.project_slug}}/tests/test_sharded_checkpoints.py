@@ -16,6 +16,7 @@ import pytest
 import stand_ins
 import torch
 from conftest import PROJECT, SMOKE_CONFIG, project_env, read_metrics, torchrun, train_args, wait_for
+from helpers import resume
 from safetensors.torch import load_file
 from test_faults import FAULTY, INFO, SETTINGS, final_state, small_run, worker_pid
 
@@ -59,7 +60,7 @@ def test_a_sharded_checkpoint_is_a_directory_published_whole_and_resumes_exactly
     assert path == tmp_path / "checkpoints" / "step_00000003" and sharded_checkpoint.is_checkpoint(path)
     assert not run_dir.partial_checkpoints()
     fresh, resumed = small_run(0)
-    assert checkpoint.resume(fresh, resumed, run_dir, "auto", INFO, SHARDED) == path
+    assert resume(fresh, resumed, run_dir, "auto", INFO, SHARDED) == path
     assert resumed.step == 3
     for (name, ours), theirs in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(ours, theirs), name
@@ -134,7 +135,7 @@ def test_another_models_sharded_checkpoint_is_refused_from_its_metadata(tmp_path
     setattr(other.get_submodule(owner), leaf, torch.nn.Parameter(torch.zeros(weight.shape[0] + 1, *weight.shape[1:])))
     refused = rf"holds another model \(parameters and buffers: 1 of another shape, e.g. {re.escape(name)}\)"
     with pytest.raises(ConfigError, match=refused):
-        checkpoint.resume(other, state, RunDir(tmp_path), str(path), INFO, SHARDED)
+        resume(other, state, RunDir(tmp_path), str(path), INFO, SHARDED)
 
 
 def test_under_fsdp_checkpoints_are_sharded_unless_the_format_is_named(tmp_path):
@@ -194,13 +195,13 @@ def test_a_run_that_fails_with_a_write_in_flight_publishes_it_before_it_exits(tm
         time.sleep(1)  # step 4's write still in flight when step 5 fails
         original(partial, final, run_dir, keep_last)
 
-    def failing_step(model, state, grad_clip, original=train.optimizer_step):
-        if state.step == 4:
+    def failing_step(job, *args, original=train.train_step):
+        if job.state.step == 4:
             raise RuntimeError("injected failure in step 5")
-        original(model, state, grad_clip)
+        return original(job, *args)
 
     monkeypatch.setattr(sharded_checkpoint, "publish", slow_publish)
-    monkeypatch.setattr(train, "optimizer_step", failing_step)
+    monkeypatch.setattr(train, "train_step", failing_step)
     overrides = ["checkpoint.format=sharded", "checkpoint.async_save=true", "checkpoint.every_steps=4"]
     overrides += [f"run.out_dir={tmp_path}", "data.num_workers=0", "run.tensorboard=false"]
     assert train.main(["--config", SMOKE_CONFIG, *overrides]) == 1

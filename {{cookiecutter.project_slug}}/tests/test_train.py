@@ -26,7 +26,8 @@ from conftest import (
 from torch.utils.data import default_collate
 
 from {{ cookiecutter.package_name }} import config, task, train
-from {{ cookiecutter.package_name }}.base import dist, hardware, preemption, records
+from {{ cookiecutter.package_name }}.base import hardware, preemption, records
+from {{ cookiecutter.package_name }}.base.batching import unwrap
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
@@ -220,7 +221,7 @@ def test_compile_really_compiles_and_checkpoints_have_no_prefix(tmp_path):
     counters.clear()
     task.loss_sum(model, batch).backward()
     assert counters["stats"]["unique_graphs"] >= 1  # a graph was captured, not silently run eager
-    assert model._orig_mod is raw and dist.bare(model) is raw  # the compiled module wraps the one checkpoints read
+    assert model._orig_mod is raw and unwrap(model) is raw  # the compiled module wraps the one checkpoints read
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in raw.state_dict())
     build_model(cfg).load_state_dict(raw.state_dict())
 
@@ -233,7 +234,7 @@ def test_bf16_on_an_unsupported_gpu_is_a_config_error(monkeypatch):
     volta = SimpleNamespace(name="Tesla V100-SXM2-32GB", major=7, minor=0, uuid="GPU-a")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: volta)
     with pytest.raises(config.ConfigError, match="use train.precision=fp16"):
-        train.check_hardware(cfg.train.precision, cuda_info)
+        train.check_settings(cfg, cuda_info.device)
 
 
 @needs_cuda
@@ -298,12 +299,11 @@ def test_cudnn_benchmark_follows_the_config(flag):
 
 
 @pytest.mark.usefixtures("process_settings")
-def test_optimizer_step_frees_the_gradients(monkeypatch):
+def test_the_step_frees_the_gradients(monkeypatch):
     stand_ins.install("plain", monkeypatch)  # the loop's step, the same whatever the model
     cfg = config.load(SMOKE_CONFIG)
     job = train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
-    task.loss_sum(job.model, next(iter(job.train_loader))).backward()
-    train.optimizer_step(job.model, job.state, cfg.train.grad_clip)
+    train.train_step(job, [next(iter(job.train_loader))], cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
     assert all(p.grad is None for p in job.model.parameters())  # set_to_none=True
 
 

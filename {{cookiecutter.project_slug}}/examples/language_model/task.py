@@ -2,7 +2,7 @@
 padding, the loss averaged over valid tokens across every rank, perplexity for evaluation.
 
 `loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
-call it, and would reach the module's own attributes through samples.unwrap(model) (docs/your-model-and-data.md).
+call it, and would reach the module's own attributes through batching.unwrap(model) (docs/your-model-and-data.md).
 """
 
 from __future__ import annotations

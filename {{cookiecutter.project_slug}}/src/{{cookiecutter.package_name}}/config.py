@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 
 import yaml
 
-from .base import typed_config
+from .base import hardware, optimizers, schedules, typed_config
 from .base.rules import ConfigError as ConfigError
 from .base.rules import PositiveFloat, PositiveInt, Rule, exit_on_user_error
 from .base.rundir import RunDir
@@ -36,10 +36,10 @@ from .base.typed_config import EXTENDS, layers, load_tree, merge, parse_override
 from .data import DatasetConfig
 from .model import ModelConfig
 
-Precision = Literal["bf16", "fp16", "fp32"]
+Precision = Literal[tuple(hardware.AUTOCAST_DTYPES)]  # bf16, fp16, fp32
 LrScaling = Literal["auto", "linear", "sqrt", "none"]
-OptimizerName = Literal["adamw", "sgd", "adafactor", "task"]
-Schedule = Literal["cosine", "linear", "constant", "wsd", "step", "task"]
+OptimizerName = Literal[(*optimizers.BUILDERS, "task")]  # adamw, sgd, adafactor (base/optimizers.py)
+Schedule = Literal[(*schedules.AFTER_WARMUP, "task")]  # cosine, linear, constant, wsd, step (base/schedules.py)
 ShardsOrder = Literal["chunks", "shuffle"]
 WorkerStart = Literal["auto", "fork", "forkserver", "spawn"]
 Strategy = Literal["ddp", "fsdp"]
@@ -86,6 +86,16 @@ TRACKERS_FIX = (
     "here but run.tensorboard"
 )
 Trackers = Annotated[list, Rule(known_trackers_once, TRACKERS_FIX)]
+CallbackNames = Annotated[
+    list,
+    Rule(
+        lambda v: all(isinstance(n, str) and n for n in v) and len(set(v)) == len(v),
+        "name each once: ema, best_checkpoints, early_stopping or MODULE:CLASS of your callbacks/ folder",
+    ),
+]
+Goal = Literal["auto", "min", "max"]
+Decay = Annotated[float, Rule(lambda v: 0 <= v < 1, "use a decay in [0, 1), e.g. 0.999")]
+NonNegativeInt = Annotated[int, Rule(lambda v: v >= 0, "use an integer >= 0")]
 PeakTflops = Annotated[float | Literal["auto"], Rule(lambda v: v == "auto" or v > 0, "use auto or a positive number")]
 StepWindow = Annotated[
     list | None,
@@ -110,6 +120,7 @@ class RunConfig:
     profile_steps: StepWindow = None  # [start, stop]: trace steps start+1..stop into out_dir/name/profile/; null: off
     profile_ranks: Literal["main", "all"] = "main"  # ranks that write a profiler trace: main (rank 0) or all
     peak_tflops: PeakTflops = "auto"  # one device's peak, for MFU; auto: known GPUs by name and precision
+    callbacks: CallbackNames = field(default_factory=list)  # ema, best_checkpoints, early_stopping, MODULE:CLASS
 
 
 @dataclass
@@ -166,6 +177,27 @@ class EvalConfig:
 
 
 @dataclass
+class EmaConfig:  # run.callbacks=[ema]: loop/ema.py
+    decay: Decay = 0.999  # each step: ema <- decay x ema + (1 - decay) x weights; evaluated as eval/ema/<metric>
+    start_step: NonNegativeInt = 0  # up to this step the average is the weights themselves (it skips the first)
+
+
+@dataclass
+class BestCheckpointsConfig:  # run.callbacks=[best_checkpoints]: loop/best_checkpoints.py
+    metric: str = "main"  # the evaluation's metric they are ranked by; main: task.MAIN_METRIC; or e.g. ema/loss
+    mode: Goal = "auto"  # min or max is better; auto: MAIN_METRIC's for it, min for a loss
+    keep: PositiveInt = 3  # checkpoints kept in out_dir/name/checkpoints/best/, beside keep_last's
+
+
+@dataclass
+class EarlyStoppingConfig:  # run.callbacks=[early_stopping]: loop/early_stopping.py
+    metric: str = "main"  # the evaluation's metric watched; main: task.MAIN_METRIC; or e.g. loss
+    mode: Goal = "auto"  # min or max is better; auto: MAIN_METRIC's for it, min for a loss
+    patience: PositiveInt = 3  # evaluations in a row without a better value that end the run
+    min_delta: NonNegative = 0.0  # a value better than the best by this much or less is not better
+
+
+@dataclass
 class ParallelConfig:
     strategy: Strategy = "ddp"  # ddp: the whole model on every device; fsdp: sharded over them (torch>=2.8)
     activation_checkpointing: Checkpointing = "none"  # units recomputed in backward: full (all), selective (every 2nd)
@@ -205,6 +237,9 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    best_checkpoints: BestCheckpointsConfig = field(default_factory=BestCheckpointsConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)

@@ -8,9 +8,10 @@
         -m {{ cookiecutter.package_name }}.train --config configs/default.yaml          # 2 nodes
 Or use scripts/train.sh, scripts/train_multinode.sh and scripts/train.sbatch.
 
-The file reads in call order: main -> run -> build (and wrap) -> fit -> train_one_epoch -> the
-step (accumulate_gradients, optimizer_step) -> evaluation (loop/evaluation.py). What a run carries
-lives in loop/state.py (Job, TrainState), its start-up report in loop/startup.py.
+The file reads in call order: main -> run -> build (and wrap) -> fit -> train_one_epoch ->
+train_step -> evaluation (loop/evaluation.py). What a run carries lives in loop/state.py (Job,
+TrainState), its start-up report in loop/startup.py; the callbacks (run.callbacks) and the moments
+they run at in loop/callbacks.py.
 """
 
 from __future__ import annotations
@@ -27,24 +28,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import config, task
-from .base import cpus, dist, hardware, preemption
+from .base import cpus, dist, hardware, preemption, records
+from .base.batching import unwrap
 from .base.dist import DistInfo
 from .base.rules import ConfigError, exit_on_user_error
 from .config import Config
 from .loop import checkpoint, elastic, loaders, optim, parallel, sharded_checkpoint, startup, tensorboard, tracking
+from .loop.callbacks import Callbacks, Run
 from .loop.evaluation import evaluate
 from .loop.metrics import TrainingLog, Window
 from .loop.preflight import check_declared_terms, check_task
 from .loop.profiling import StepClock, profile_window
 from .loop.state import Job, TrainState
 
-AUTOCAST_DTYPES = hardware.AUTOCAST_DTYPES
-
 
 class Outcome(enum.Enum):
     EPOCH_END = "the epoch ran out"
     MAX_STEPS = "train.max_steps or the planned steps are done"
     PREEMPTED = "a preemption request reached every rank"
+    STOPPED = "a callback stopped the run (early stopping)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,16 +90,9 @@ def check_settings(cfg: Config, device: torch.device, sources: config.Sources | 
         checkpoint.check(config.to_dict(cfg))
         tensorboard.check(cfg.run.tensorboard)
         tracking.check(cfg.run.trackers)
+        Callbacks.from_config(cfg)  # each name resolves, and its section makes sense
     except ConfigError as err:
         raise (sources.located(err) if sources else err) from None
-
-
-def check_hardware(precision: str, info: DistInfo) -> None:
-    """On this rank's own GPU, before any collective: every rank finds the same problem and exits alone."""
-    dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
-    problem = hardware.precision_problem(precision, info.device)
-    if problem:
-        raise ConfigError(problem)
 
 
 def run(
@@ -121,8 +116,7 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
     batch_line, asked = None, config.to_dict(cfg)
     if saved is not None:  # before build: another world size keeps the global batch with another split
         cfg, batch_line = elastic.keep_global_batch(cfg, saved, info.world_size)
-    job = build(cfg, info)
-    job.asked = asked
+    job = build(cfg, info, asked)
     if resumed:
         peak_lr = job.state.optimizer.param_groups[0]["initial_lr"]  # optim.lr scaled to this run's global batch
         checkpoint.restore(job.model, job.state, resumed, saved, info, config.to_dict(cfg), asked)
@@ -137,20 +131,30 @@ def train_and_save(cfg: Config, info: DistInfo, trackers: tracking.Trackers | No
         cfg.run_dir.root.mkdir(parents=True, exist_ok=True)
         config.save(cfg, cfg.run_dir.config, sources)
         checkpoint.set_aside_later(cfg.run_dir, job.state.step)
+    for callback in job.state.callbacks:
+        callback.on_start(job.run)
+    if job.run.stop_reason:  # a requeue of a run a callback stopped: it stays stopped
+        dist.print0(info, f"this run stopped at step {job.state.step} ({job.run.stop_reason}); nothing to train")
+        return 0
     if trackers is not None:
         job.state.tracked_run_id = trackers.start(cfg, info, resumed, job.state)
     with training_log(job, cfg, info, trackers) as log:
         startup.report(cfg, info, job, log, resumed)
         outcome = fit(job, cfg, info, log, preemption.PreemptionFlag())
         final = save_checkpoint(job, cfg, info, final=True)  # written when this returns, async_save or not
+        for callback in job.state.callbacks:
+            callback.on_end(job.run, outcome.value)
         if outcome is Outcome.PREEMPTED:  # leaving the log finishes the trackers after the checkpoint
             dist.print0(info, f"preempted at step {job.state.step}: checkpoint written; rerun to continue")
             return preemption.report_preemption()
-        dist.print0(info, log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir, final))
+        summary = log.summary(job.state.step, task.MAIN_METRIC, cfg.run_dir, final, job.run.stop_reason)
+        dist.print0(info, summary)
     return 0
 
 
-def build(cfg: Config, info: DistInfo) -> Job:
+def build(cfg: Config, info: DistInfo, asked: dict | None = None) -> Job:
+    """The run's model, data, optimizer and callbacks, set up; `asked`: the settings as given, where
+    a resume on another world size split the global batch anew (`cfg` is what runs)."""
     torch.set_num_threads(cpus.threads_per_rank(os.environ, info.local_world_size))  # a user's OMP_NUM_THREADS wins
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     dist.seed_everything(cfg.run.seed)  # after init, before the model exists
@@ -179,11 +183,24 @@ def build(cfg: Config, info: DistInfo) -> Job:
         optimizer=optimizer,
         scheduler=optim.build_scheduler(optimizer, cfg, total_steps, warmup),
         scaler=torch.amp.GradScaler(info.device.type, enabled=cfg.train.precision == "fp16"),
+        callbacks=Callbacks.from_config(cfg),
     )
-    profiler = profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info)
-    clock = StepClock(info.device)
-    job = Job(model, state, train_loader, eval_loader, total_steps, global_batch, clock, profiler, units)
-    job.reference_loader = reference_loader
+    job = Job(
+        model=model,
+        state=state,
+        run=Run(model, state, info, cfg.run_dir, total_steps),
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        reference_loader=reference_loader,
+        total_steps=total_steps,
+        global_batch=global_batch,
+        clock=StepClock(info.device),
+        profiler=profile_window(cfg.run.profile_steps, cfg.run.profile_ranks, cfg.run_dir, info),
+        units=units,
+        asked=asked,
+    )
+    for callback in state.callbacks:  # before a resume loads their state into what they made
+        callback.setup(job.run)
     return job
 
 
@@ -252,7 +269,7 @@ def training_log(job: Job, cfg: Config, info: DistInfo, trackers: tracking.Track
         job.state.step,
         board=tensorboard.open_board(cfg.run.tensorboard, cfg.run_dir, job.state.step, info),
         trackers=trackers,
-        throughput=task.throughput(cfg, dist.bare(job.model)),
+        throughput=task.throughput(cfg, unwrap(job.model)),
         peak=hardware.peak_flops(info.device, cfg.train.precision, cfg.run.peak_tflops),
     )
 
@@ -264,7 +281,7 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemptio
         run_evaluation(job, cfg, info, log)  # the baseline: the untrained model
     outcome = None
     try:
-        while state.step < job.total_steps and outcome is not Outcome.PREEMPTED:
+        while state.step < job.total_steps and outcome not in (Outcome.PREEMPTED, Outcome.STOPPED):
             job.train_loader.sampler.set_epoch(state.epoch)  # a new order every epoch
             if hasattr(job.train_loader.dataset, "set_epoch"):  # e.g. augmentation seeded per sample and epoch
                 job.train_loader.dataset.set_epoch(state.epoch)
@@ -273,6 +290,7 @@ def fit(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, stop: preemptio
             outcome = train_one_epoch(job, cfg, info, log, stop)
             if outcome is Outcome.MAX_STEPS or (outcome is Outcome.EPOCH_END and cfg.eval.every is None):
                 run_evaluation(job, cfg, info, log)
+                outcome = Outcome.STOPPED if job.run.stop_reason else outcome
             if outcome is Outcome.EPOCH_END:
                 state.epoch, state.batch_in_epoch, state.earlier_layouts = state.epoch + 1, 0, []
     finally:
@@ -294,12 +312,7 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, sto
     for _ in range(len(job.train_loader) // accum):  # a partial accumulation is dropped
         with clock.data_wait:
             micro_batches = [next(batches) for _ in range(accum)]
-        with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
-            loss_sum, terms = accumulate_gradients(job, micro_batches, cfg, info)
-        with clock.optimizer:
-            grad_norm = optimizer_step(job.model, state, cfg.train.grad_clip)
-        state.step += 1
-        state.batch_in_epoch += accum
+        loss_sum, terms, grad_norm = train_step(job, micro_batches, cfg, info)
         log.record(loss_sum, terms, accum * cfg.data.batch_size, grad_norm)
         if job.profiler is not None:  # run.profile_steps; when off, this check is all it costs
             job.profiler.after_step(state.step)
@@ -314,6 +327,8 @@ def train_one_epoch(job: Job, cfg: Config, info: DistInfo, log: TrainingLog, sto
             return Outcome.MAX_STEPS
         if due.evaluate:
             run_evaluation(job, cfg, info, log)  # leaves the model in train mode
+            if job.run.stop_reason:
+                return Outcome.STOPPED
         if due.save:
             save_checkpoint(job, cfg, info)
     return Outcome.EPOCH_END
@@ -336,24 +351,37 @@ class Due:
         return cls(log=last or save or step % cfg.run.log_every == 0, save=save, evaluate=evaluate, last=last)
 
 
-def accumulate_gradients(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tuple[torch.Tensor, float]:
-    """Forward and backward over one optimizer step's micro-batches; returns (summed loss, loss terms).
-
-    DDP and FSDP average gradients over ranks, so each rank scales its summed loss by world size /
-    the step's loss terms over every rank: the gradient becomes that of one process on the
-    union of all the micro-batches, however the terms are spread over ranks.
-    """
+def train_step(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """One optimizer step on this rank's micro-batches; returns (their summed loss on the device,
+    their loss terms, the gradient norm before clipping or None without train.grad_clip)."""
+    model, state, clock = job.model, job.state, job.clock
+    # DDP and FSDP average gradients over ranks, so each rank scales its summed loss by world size /
+    # the step's loss terms over every rank: the gradient becomes that of one process on the union
+    # of all the micro-batches, however the terms are spread over ranks
     local_terms = float(sum(task.count_terms(batch) for batch in micro_batches))
     loss_scale = info.world_size / step_terms(local_terms, len(micro_batches) * cfg.data.batch_size, info)
-    total = torch.zeros((), device=info.device)
-    for index, batch in enumerate(micro_batches):
-        syncs = index == len(micro_batches) - 1  # the last micro-batch always reduces
-        with parallel.micro_batch(job.model, syncs, cfg.parallel, info):
-            with autocast(cfg, info):
-                loss_sum = task.loss_sum(job.model, task.to_device(batch, info.device))
-            job.state.scaler.scale(loss_sum * loss_scale).backward()
-        total += loss_sum.detach()
-    return total, local_terms
+    loss_sum = torch.zeros((), device=info.device)
+    with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
+        for index, batch in enumerate(micro_batches):
+            syncs = index == len(micro_batches) - 1  # only the last micro-batch reduces the gradients
+            with parallel.micro_batch(model, syncs, cfg.parallel, info):
+                with hardware.autocast(cfg.train.precision, info.device):
+                    micro_loss = task.loss_sum(model, task.to_device(batch, info.device))
+                state.scaler.scale(micro_loss * loss_scale).backward()
+            loss_sum += micro_loss.detach()
+    with clock.optimizer:
+        if cfg.train.grad_clip is not None:
+            state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
+        grad_norm = parallel.clip_gradients(model, cfg.train.grad_clip)  # None without train.grad_clip
+        state.scaler.step(state.optimizer)  # fp16: skipped if the gradients overflowed
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)  # frees the memory instead of writing zeros
+        state.scheduler.step()
+    state.step += 1
+    state.batch_in_epoch += len(micro_batches)
+    for callback in state.callbacks:  # after the step is counted: run.state.step is the one just done
+        callback.after_step(job.run)
+    return loss_sum, local_terms, grad_norm
 
 
 def step_terms(local_terms: float, samples: int, info: DistInfo) -> float | torch.Tensor:
@@ -376,26 +404,6 @@ def all_reduced_terms(local_terms: float, info: DistInfo) -> torch.Tensor:
     return dist.all_reduce_sum(terms.to(info.device, non_blocking=True))
 
 
-def autocast(cfg: Config, info: DistInfo):
-    """The forward passes' precision: bf16/fp16 autocast, or a disabled one for fp32."""
-    return hardware.autocast(cfg.train.precision, info.device)
-
-
-def optimizer_step(model: nn.Module, state: TrainState, grad_clip: float | None) -> torch.Tensor | None:
-    """Clip, step, zero the gradients, step the schedule; returns the gradient norm before clipping
-    (on the device, the same on every rank), or None when train.grad_clip is off."""
-    norm = None
-    if grad_clip is not None:
-        state.scaler.unscale_(state.optimizer)  # clip the true gradients, not the scaled ones
-        norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # fsdp: a DTensor, replicated
-    state.scaler.step(state.optimizer)  # fp16: skipped if the gradients overflowed
-    state.scaler.update()
-    state.optimizer.zero_grad(set_to_none=True)  # frees the memory instead of writing zeros
-    state.scheduler.step()
-    return norm
-
-
 def check_finite(window: Window, cfg: Config) -> None:
     """Stop every rank on a NaN/inf loss (the window was reduced, so all ranks agree), before a
     checkpoint can be written from the state it left."""
@@ -410,14 +418,31 @@ def check_finite(window: Window, cfg: Config) -> None:
 
 
 def save_checkpoint(job: Job, cfg: Config, info: DistInfo, final: bool = False) -> Path:
-    settings = config.to_dict(cfg)
-    keep_last = cfg.checkpoint.keep_last
-    return checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, keep_last, final, job.asked)
+    """This step's checkpoint (every rank); `final`: on disk when this returns, async_save or not.
+    One on disk of this step already (a callback asked for it) is not written again."""
+    if job.saved is not None and job.saved[0] == job.state.step:
+        return job.saved[1]
+    settings, keep_last = config.to_dict(cfg), cfg.checkpoint.keep_last
+    path = checkpoint.save(job.model, job.state, cfg.run_dir, settings, info, keep_last, final, job.asked)
+    if final or not (checkpoint.format_of(settings) == "sharded" and cfg.checkpoint.async_save):
+        job.saved = (job.state.step, path)
+        for callback in job.state.callbacks:
+            callback.after_checkpoint(job.run, path)
+    return path
 
 
 def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> None:
+    """The model's evaluation, then each callback's models' under their prefix, in one record; the
+    callbacks see its metrics, and a checkpoint one of them asked for is written."""
     results = evaluate(job.model, job.eval_loader, cfg, info, job.reference_loader)
+    for prefix, model in job.state.callbacks.models_to_evaluate(job.run):
+        results |= records.prefixed(evaluate(model, job.eval_loader, cfg, info, job.reference_loader), prefix)
     log.evaluation(job.state.step, job.state.epoch, results)
+    for callback in job.state.callbacks:
+        callback.after_evaluation(job.run, records.eval_metrics(results))
+    if job.run.checkpoint_requested:
+        job.run.checkpoint_requested = False
+        save_checkpoint(job, cfg, info, final=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import preemption, rendezvous
-from .batching import unwrap
 from .rules import ConfigError, tell_user
 
 Built = TypeVar("Built")
@@ -304,13 +303,6 @@ def without_ddp(model: nn.Module) -> nn.Module:
     (parallel.strategy=fsdp) is itself: its forward gathers parameters, so every rank must call it
     as often as the others (evaluation's padded sampler gives every rank the same batches)."""
     return model.module if isinstance(model, DDP) else model
-
-
-def bare(model: nn.Module) -> nn.Module:
-    """The module under the DDP and torch.compile wrappers: its state_dict keys are the model's
-    own, without module. or _orig_mod. prefixes (a sharded model's are its own already). The seam
-    reaches it as samples.unwrap."""
-    return unwrap(model)
 
 
 def sharded(model: nn.Module) -> bool:

@@ -3,6 +3,7 @@ mapping from a record to the scalars every sink shows (TensorBoard, W&B, MLflow)
 
     {"kind": "train", "step": 10, "loss": ..., "lr": ..., "samples_per_s": ..., ...}   a log window
     {"kind": "eval", "step": 10, "eval_loss": ..., "eval_samples": ...}                 an evaluation
+                                         (a callback's model's beside it: "eval_ema/loss": ...)
     {"kind": "summary", "step": 600, "summary": {...}}                                  the end of an attempt
 """
 
@@ -28,6 +29,16 @@ def of_kind(records: list[dict], kind: str) -> list[dict]:
 def evaluation(metrics: dict[str, float], samples: int) -> dict:
     """An evaluation's fields as metrics.jsonl holds them: eval_<metric> for each metric, eval_samples."""
     return {EVAL_PREFIX + name: value for name, value in metrics.items()} | {EVAL_SAMPLES: samples}
+
+
+def prefixed(evaluation: dict, prefix: str) -> dict:
+    """Another model's evaluation (a callback's, such as EMA's) beside the model's: each metric
+    eval_<prefix>/<metric>, its samples left out (the same set)."""
+    return {
+        f"{EVAL_PREFIX}{prefix}/{key.removeprefix(EVAL_PREFIX)}": value
+        for key, value in evaluation.items()
+        if key != EVAL_SAMPLES
+    }
 
 
 def eval_metrics(record: dict) -> dict[str, float]:

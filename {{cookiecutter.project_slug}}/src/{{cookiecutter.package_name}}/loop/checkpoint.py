@@ -24,11 +24,13 @@ import torch
 from torch import nn
 
 from ..base import dist, packs
+from ..base.batching import unwrap
 from ..base.dist import DistInfo
 from ..base.rules import ConfigError
 from ..base.rundir import RunDir
 from ..config import renamed_note, upgrade
 from . import sharded_checkpoint
+from .callbacks import gathered, joined, split_tensors
 from .state import TrainState
 
 
@@ -92,13 +94,14 @@ def save(
     weights, optimizer = full_state(model, state.optimizer)
     refuse_nonfinite(dist.broadcast_object(nonfinite(weights) if info.is_main else None), state.step)
     rng_per_rank = dist.all_gather_objects(rng_state())  # collective: outside the rank-0 branch
+    callback_state = gathered(state.callbacks.state_dict())  # a DTensor's gather is a collective too
     path = run_dir.checkpoint(state.step)
     if info.is_main:
-        payload = {"model": weights, "optimizer": optimizer} | state.state_dict()
+        payload = {"model": weights, "optimizer": optimizer, "callbacks": callback_state} | state.state_dict()
         payload |= {"rng": rng_per_rank, "config": config, "world_size": info.world_size} | as_given(config, asked)
         payload["launch_dir"] = str(Path.cwd())  # where the settings' relative paths (dataset.dir, ...) start
         atomic_save(_to_cpu(payload), path)
-        prune(run_dir, keep_last)
+        sharded_checkpoint.prune(run_dir, keep_last)  # either format: the newest keep_last stay
     dist.barrier()  # nobody moves on (or exits) before the checkpoint exists
     return path
 
@@ -119,13 +122,16 @@ def save_sharded(
     # forward, FSDP never), and DCP writes one rank's copy of a replicated tensor: make it rank 0's
     dist.broadcast_buffers(model)
     tensors = sharded_checkpoint.local_state(model, state.optimizer)
+    callback_tensors, callback_values = split_tensors(state.callbacks.state_dict())
+    if callback_tensors:  # each rank's shard of a callback's DTensors, as the weights'
+        tensors["callbacks"] = callback_tensors
     broken = nonfinite(sharded_checkpoint.local_tensors(tensors["model"]))
     refuse_nonfinite(sorted({name for names in dist.all_gather_objects(broken) for name in names}), state.step)
     rng_per_rank = dist.all_gather_objects(rng_state())
     partial = sharded_checkpoint.prepare(run_dir, state.step, info)
     if info.is_main:
         payload = state.state_dict() | {"rng": rng_per_rank, "config": config, "world_size": info.world_size}
-        payload |= as_given(config, asked) | {"launch_dir": str(Path.cwd())}
+        payload |= as_given(config, asked) | {"launch_dir": str(Path.cwd()), "callbacks": callback_values}
         atomic_save(_to_cpu(payload), partial / sharded_checkpoint.STATE_FILE)
     background, timeout = config["checkpoint"]["async_save"] and not final, config["dist"]["timeout_minutes"]
     return sharded_checkpoint.write(tensors, partial, run_dir, state.step, info, keep_last, background, timeout)
@@ -178,7 +184,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options) if dist.sharded(model) else dist.bare(model).state_dict()
+    weights = get_model_state_dict(model, options=options) if dist.sharded(model) else unwrap(model).state_dict()
     return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
@@ -191,7 +197,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, payload:
     if dist.sharded(model):
         set_model_state_dict(model, payload["model"], options=options)
     else:
-        dist.bare(model).load_state_dict(payload["model"])
+        unwrap(model).load_state_dict(payload["model"])
     saved = payload["optimizer"]
     if any(isinstance(key, int) for group in saved["param_groups"] for key in group["params"]):
         optimizer.load_state_dict(saved)  # written by optimizer.state_dict(): positions, not names
@@ -236,9 +242,6 @@ def _to_cpu(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(v) for v in value)
     return value
-
-
-prune = sharded_checkpoint.prune  # either format: the newest keep_last stay
 
 
 def set_aside_later(run_dir: RunDir, step: int) -> list[str]:
@@ -338,6 +341,18 @@ def find(target: str | os.PathLike, weights: bool = True) -> tuple[Path, dict]:
     return path, payload
 
 
+def ema_weights(path: Path, payload: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights with the EMA callback's average in place of each parameter (the
+    buffers are the model's: loop/ema.py); a ConfigError if the run did not keep one."""
+    if "ema" not in payload.get("callbacks", {}):
+        raise ConfigError(f"{path} holds no EMA weights: the run did not have run.callbacks=[ema]")
+    if payload.get("sharded"):
+        shadow = sharded_checkpoint.full_weights(path, prefix="callbacks.ema.shadow.")
+    else:
+        shadow = payload["callbacks"]["ema"]["shadow"]
+    return payload["model"] | shadow
+
+
 def _found(target: Path) -> tuple[Path, dict]:
     if not target.exists():
         raise ConfigError(f"{target} does not exist: pass a run directory (runs/<name>) or a checkpoint")
@@ -421,7 +436,7 @@ def restore(
     wrote it; the epoch goes on with the samples it has not read yet. `config` is the run's, `asked`
     the settings as given (default: `config`), before another world size split the global batch
     anew: those that differ from the settings the checkpoint's run was given are listed in a note."""
-    mismatch = model_mismatch(dist.bare(model), payload["model_shapes"] if payload.get("sharded") else payload["model"])
+    mismatch = model_mismatch(unwrap(model), payload["model_shapes"] if payload.get("sharded") else payload["model"])
     if mismatch:
         raise ConfigError(
             f"checkpoint.resume: {chosen} holds another model ({mismatch}): the model settings changed since it "
@@ -430,11 +445,19 @@ def restore(
     problem = packs.resume_problem(payload, config)
     if problem:
         raise ConfigError(f"checkpoint.resume: {chosen.name} {problem}")
+    saved_callbacks = payload.get("callbacks", {})  # absent from checkpoints before callbacks existed
     if payload.get("sharded"):
-        sharded_checkpoint.load(model, state.optimizer, chosen)
+        # each rank reads its shard of the tensors of the callbacks the checkpoint holds a state for
+        current = {name: state for name, state in state.callbacks.state_dict().items() if name in saved_callbacks}
+        tensors = split_tensors(current)[0]
+        sharded_checkpoint.load(model, state.optimizer, chosen, {"callbacks": tensors} if tensors else {})
+        saved_callbacks = joined(tensors, saved_callbacks)
     else:
         load_full_state(model, state.optimizer, payload)
     state.load_state_dict(payload)
+    fresh = state.callbacks.load_state_dict(saved_callbacks)
+    if fresh:
+        dist.print0(info, f"note: {chosen.name} holds no state of run.callbacks' {', '.join(fresh)}: they start afresh")
     state.continue_epoch_on(payload, info.world_size, config["data"]["batch_size"])
     renamed = renamed_note(payload.get("renamed_settings"), chosen.name, "its next checkpoint uses the new names")
     if renamed:
@@ -458,14 +481,3 @@ def restore_generators(saved: list, rank: int, seed: int) -> None:
         set_rng_state(saved[rank])
     else:
         dist.seed_everything(seed + rank)
-
-
-def resume(
-    model: nn.Module, state: TrainState, run_dir: RunDir, setting: str, info: DistInfo, config: dict
-) -> Path | None:
-    """`choose` and `restore` in one: the checkpoint `setting` names into `model` and `state`;
-    returns the file used, or None."""
-    chosen, payload = choose(run_dir, setting, info)
-    if chosen is not None:
-        restore(model, state, chosen, payload, info, config)
-    return chosen

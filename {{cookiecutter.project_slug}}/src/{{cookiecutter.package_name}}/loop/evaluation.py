@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .. import task
-from ..base import dist, hardware, records
+from ..base import dist, hardware, records, scalars
 from ..base.across_ranks import as_one_process
 from ..base.batching import move_to
 from ..base.dist import DistInfo, all_reduce_sum
@@ -44,7 +44,7 @@ def evaluate(model: nn.Module, loader: DataLoader, cfg: Config, info: DistInfo, 
     dist.broadcast_buffers(model)
     model.eval()
     try:
-        with as_one_process(), hardware.autocast(cfg.train.precision, info.device):
+        with as_one_process(), scalars.paused(), hardware.autocast(cfg.train.precision, info.device):
             totals, outputs = run_over(model, loader, info)
             references = run_over(model, reference, info)[1] if reference is not None else None
     finally:

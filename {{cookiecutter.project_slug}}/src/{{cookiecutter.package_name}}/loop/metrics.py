@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from ..base import records
+from ..base import records, scalars
 from ..base.batching import Throughput
-from ..base.dist import DistInfo, all_reduce_sum
+from ..base.dist import DistInfo, all_gather_objects, all_reduce_sum
 
 if TYPE_CHECKING:
     from .tensorboard import Board
@@ -26,6 +26,29 @@ if TYPE_CHECKING:
 def evaluation_line(record: dict) -> str:
     shown = " | ".join(f"{name} {value:.4f}" for name, value in records.eval_metrics(record).items())
     return f"eval step {record['step']} | epoch {record['epoch']} | {shown} | {record[records.EVAL_SAMPLES]} samples"
+
+
+def named_text(values: dict[str, float]) -> str:
+    """The named scalars (scalars.add) for a console line."""
+    return "".join(f" | {name} {value:.4g}" for name, value in sorted(values.items()))
+
+
+def summed_over_ranks(fields: dict, device: torch.device) -> dict:
+    """Each of `fields` summed over ranks in one all-reduce, by name: a number (a float, a 0-d
+    tensor) comes back a float, a list or a 1-d tensor a list of floats. The host's numbers go
+    to the device in one copy."""
+    on_device = {name: value for name, value in fields.items() if isinstance(value, torch.Tensor)}
+    on_host = {name: value for name, value in fields.items() if name not in on_device}
+    host = [float(x) for value in on_host.values() for x in (value if isinstance(value, list) else [value])]
+    parts = [value.to(torch.float64).reshape(-1) for value in on_device.values()]
+    flat = all_reduce_sum(torch.cat([*parts, torch.tensor(host, dtype=torch.float64).to(device)])).tolist()
+    summed, at = {}, 0
+    for name, value in [*on_device.items(), *on_host.items()]:
+        size = value.numel() if isinstance(value, torch.Tensor) else len(value) if isinstance(value, list) else 1
+        numbers, at = flat[at : at + size], at + size
+        is_list = isinstance(value, list) or (isinstance(value, torch.Tensor) and value.dim() == 1)
+        summed[name] = numbers if is_list else numbers[0]
+    return summed
 
 
 PROGRESS_EVERY_S = 10.0  # without a terminal: a step's line once the console has been quiet this long
@@ -162,6 +185,8 @@ class TrainingLog:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
         self.grad_norm_sum = torch.zeros((), dtype=torch.float64, device=self.info.device)
         self.terms, self.samples, self.steps, self.norms = 0.0, 0, 0, 0
+        self.named = scalars.Window(self.info.device, getattr(self, "named", None) and self.named.agreed)
+        scalars.open_window(self.named)  # the task's and the callbacks' scalars.add go to this window
         self.window_start = time.perf_counter()
 
     def record(self, loss_sum: torch.Tensor, terms: float, samples: int, grad_norm: torch.Tensor | None = None) -> None:
@@ -200,32 +225,45 @@ class TrainingLog:
         # each rank's own window: its phases fit in it, so their means over ranks fit in the mean window
         # (rank 0's alone is shorter than the others' by the time it spends writing the log)
         own_window = time.perf_counter() - self.window_start
-        host = [self.terms, self.samples, float(stop_requested), own_window, *seconds.values()]
-        host += self.peak_memory_slots()
-        sums = [self.loss_sum.view(1), self.grad_norm_sum.view(1)]
-        local = torch.cat([*sums, torch.tensor(host, dtype=torch.float64).to(self.info.device)])
-        loss_sum, grad_norm_sum, terms, samples, stops, windows, *rest = all_reduce_sum(local).tolist()
-        phases = dict(zip(seconds, rest[: len(seconds)], strict=True))  # seconds summed over ranks
-        peaks = rest[len(seconds) :]
-        elapsed = windows / self.info.world_size  # the window's mean length over ranks
+        info, named = self.info, self.named
+        fields = {
+            "loss_sum": self.loss_sum,
+            "grad_norm_sum": self.grad_norm_sum,
+            "terms": self.terms,
+            "samples": self.samples,
+            "stops": float(stop_requested),
+            "windows": own_window,
+            "new_names": float(len(named.new_names())),
+            "phases": list(seconds.values()),
+            "peaks": self.peak_memory_slots(),
+            "named": named.packed(named.agreed, info.rank, info.world_size),
+        }
+        total = summed_over_ranks(fields, info.device)
+        scalar_values = scalars.unpacked(named.agreed, total["named"], info.world_size, total["terms"])
+        if total["new_names"]:  # every rank sees the sum: all take this branch together
+            scalar_values |= self.agree_on_new_names(total["terms"])
+        phases = dict(zip(seconds, total["phases"], strict=True))  # seconds summed over ranks
+        elapsed = total["windows"] / info.world_size  # the window's mean length over ranks
+        samples = total["samples"]
         self.run_samples += int(samples)
         record = {
             "kind": records.TRAIN,
             "step": step,
             "epoch": epoch,
-            "loss": loss_sum / max(terms, 1.0),  # per loss term over every rank: exact, not a mean of means
+            "loss": total["loss_sum"] / max(total["terms"], 1.0),  # per loss term over every rank: exact
             "lr": lr,
-            **({"grad_norm": grad_norm_sum / (self.norms * self.info.world_size)} if self.norms else {}),
+            **({"grad_norm": total["grad_norm_sum"] / (self.norms * info.world_size)} if self.norms else {}),
             "samples_per_s": samples / elapsed,
-            "data_wait_share": phases["data_wait"] / (elapsed * self.info.world_size),
+            "data_wait_share": phases["data_wait"] / (elapsed * info.world_size),
             **self.split_ms(elapsed, phases),
-            "world_size": self.info.world_size,
+            **dict(sorted(scalar_values.items())),
+            "world_size": info.world_size,
             "start_step": self.first_step,  # a resumed attempt supersedes what was logged after it
             "elapsed_s": time.perf_counter() - self.run_start,  # since this attempt began
         }
         record |= self.speed(samples / elapsed)
-        if peaks:
-            record["peak_mem_gib"] = max(peaks)
+        if total["peaks"]:
+            record["peak_mem_gib"] = max(total["peaks"])
         self.write(record)
         self.progress.step = step  # the loop's count is the truth
         self.bar.update(step - self.bar.n)
@@ -236,13 +274,29 @@ class TrainingLog:
                 f"step {step} | epoch {epoch} | loss {record['loss']:.4f}{norm} | lr {lr:.2e} | "
                 f"{self.speed_text(record)} | data wait {record['data_wait_share']:.0%} | "
                 f"{record['step_ms']:.1f} ms/step: fwd+bwd {record['fwd_bwd_ms']:.1f}, "
-                f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}{self.time_left()}"
+                f"optimizer {record['optimizer_ms']:.1f}, other {record['other_ms']:.1f}"
+                f"{named_text(scalar_values)}{self.time_left()}"
             )
         # a sum is finite only if every term was: the window's losses on every rank are one number
-        window = Window(record, self.window_first_step, math.isfinite(loss_sum), stops > 0)
+        window = Window(record, self.window_first_step, math.isfinite(total["loss_sum"]), total["stops"] > 0)
         self.window_first_step = step + 1
         self.reset()
         return window
+
+    def agree_on_new_names(self, terms: float) -> dict[str, float]:
+        """The ranks' new scalar names, joined (one gather of the names, one sum of their values):
+        from here on every rank packs them in every window. Returns their values in this window."""
+        union: dict[str, str] = {}
+        for names in all_gather_objects(self.named.new_names()):
+            for name, kind in names.items():
+                if union.setdefault(name, kind) != kind:
+                    raise ValueError(
+                        f"scalars.add({name!r}): the ranks add it with reduce={kind!r} and {union[name]!r}"
+                    )
+        info = self.info
+        summed = all_reduce_sum(self.named.packed(union, info.rank, info.world_size)).tolist()
+        self.named.agreed |= union
+        return scalars.unpacked(union, summed, info.world_size, terms)
 
     def time_left(self) -> str:
         left = self.progress.seconds_left()
@@ -299,10 +353,18 @@ class TrainingLog:
         self.write(self.evaluations[-1])
         self.print(evaluation_line(self.evaluations[-1]))
 
-    def summary(self, steps: int, main_metric: tuple[str, str], run_dir: Path, checkpoint: Path | None = None) -> str:
-        """One line for the end of a run: steps, wall time, throughput, best and final evaluation.
-        Also appended to metrics.jsonl as {"kind": "summary", "summary": {...}}. `checkpoint`: the
-        final one, which the trackers upload if run.tracker_checkpoint asks."""
+    def summary(
+        self,
+        steps: int,
+        main_metric: tuple[str, str],
+        run_dir: Path,
+        checkpoint: Path | None = None,
+        stopped: str | None = None,
+    ) -> str:
+        """One line for the end of a run: steps, wall time, throughput, best and final evaluation,
+        and why a callback stopped it (`stopped`). Also appended to metrics.jsonl as {"kind":
+        "summary", "summary": {...}}. `checkpoint`: the final one, which the trackers upload if
+        run.tracker_checkpoint asks."""
         self.finished, self.final_checkpoint = True, checkpoint
         wall = time.perf_counter() - self.run_start
         ran = steps - self.first_step  # a resumed attempt's wall time and speed are its own steps'
@@ -315,6 +377,8 @@ class TrainingLog:
             best, final = scored
             line += f"; eval {name}: best {best[key]:.4f} at step {best['step']}, final {final[key]:.4f}"
             summary |= {f"best_{key}": best[key], "best_step": best["step"], f"final_{key}": final[key]}
+        if stopped:
+            line, summary["stopped"] = f"{line}; stopped: {stopped}", stopped
         self.write({"kind": records.SUMMARY, "step": steps, "summary": summary})
         return f"{line}; outputs in {run_dir}"
 
@@ -345,6 +409,7 @@ class TrainingLog:
 
     def close(self, failed: bool = False) -> None:
         """Finish the progress bar and the TensorBoard file; end the tracked runs."""
+        scalars.open_window(None)
         self.bar.close()
         if self.board is not None:
             self.board.close()

@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from .. import task
+from ..base import optimizers, schedules
 from ..base.rules import ConfigError
 
 if TYPE_CHECKING:
@@ -71,13 +72,8 @@ def build_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Opt
     # one fused kernel for all parameters where torch has one: on CPU about 6x faster than the
     # multi-tensor loop for AdamW (ResNet-18's 11M parameters: 6 ms a step instead of 40)
     fused = next(model.parameters()).device.type in ("cuda", "cpu")
-    if settings.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(settings.betas), fused=fused)
-    if settings.name == "sgd":
-        # multi-tensor, not fused: fused SGD takes every momentum buffer at once and fails (TypeError)
-        # once a parameter gets its first gradient after others had theirs, as a routed model's expert does
-        return torch.optim.SGD(groups, lr=lr, momentum=settings.momentum, nesterov=settings.nesterov, foreach=True)
-    return torch.optim.Adafactor(groups, lr=lr, foreach=True)  # config.py checks torch has it
+    options = {"betas": tuple(settings.betas), "momentum": settings.momentum, "nesterov": settings.nesterov}
+    return optimizers.BUILDERS[settings.name](groups, lr, fused, **options)
 
 
 def build_scheduler(
@@ -99,19 +95,9 @@ def lr_factor(step: int, total_steps: int, warmup: int, schedule: ScheduleConfig
     """The learning rate of optimizer step `step` + 1 as a share of the peak (the batch-scaled lr)."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
-    floor, done = schedule.min_lr_ratio, (step - warmup) / max(1, total_steps - warmup)  # 0 -> 1 after warmup
-    if schedule.name == "cosine":
-        return floor + (1 - floor) * (1 + math.cos(math.pi * done)) / 2
-    if schedule.name == "linear":
-        return 1 - (1 - floor) * done
-    if schedule.name == "wsd":
-        decay = max(1, round(total_steps * schedule.decay_fraction))
-        into_decay = (step - (total_steps - decay)) / decay
-        return 1.0 if into_decay < 0 else 1 - (1 - floor) * into_decay
-    if schedule.name == "step":
-        passed = sum(step >= round(total_steps * share) for share in schedule.milestones)
-        return schedule.gamma**passed
-    return 1.0  # constant
+    done = (step - warmup) / max(1, total_steps - warmup)  # 0 -> 1 after warmup
+    shape = schedules.Shape(schedule.min_lr_ratio, schedule.decay_fraction, schedule.milestones, schedule.gamma)
+    return schedules.AFTER_WARMUP[schedule.name](step, total_steps, done, shape)
 
 
 def check(cfg: Config) -> None:

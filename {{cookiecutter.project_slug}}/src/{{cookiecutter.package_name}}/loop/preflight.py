@@ -9,7 +9,7 @@ mode, the evaluation functions in eval mode), and stops with one line naming the
 what it got and what was expected. The check leaves no trace: the model's buffers (BatchNorm's
 statistics) and the random generators are as they were. The task's functions get the model
 wrapped as training wraps it, whose calls pass through and attribute reads do not (DDP's), so a
-task that reads its module's attributes off the model instead of through samples.unwrap stops
+task that reads its module's attributes off the model instead of through batching.unwrap stops
 here too. gather_from_ranks stands for one process here (no collective on the CPU beside an NCCL
 group), and counts its calls: a loss that gathers must say so (task.LOSS_SPANS_RANKS).
 """
@@ -44,11 +44,11 @@ class TaskError(ConfigError):
 class Wrapped(nn.Module):
     """The model as the task's functions get it in training, here on the CPU: a wrapper whose
     calls pass every argument through and which has none of the module's attributes, as DDP's;
-    samples.unwrap reaches the module, as it does under DDP, FSDP and torch.compile."""
+    batching.unwrap reaches the module, as it does under DDP, FSDP and torch.compile."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self._orig_mod = module  # the name torch.compile gives it, which samples.unwrap removes
+        self._orig_mod = module  # the name torch.compile gives it, which batching.unwrap removes
 
     def forward(self, *args, **kwargs):
         return self._orig_mod(*args, **kwargs)
@@ -265,7 +265,7 @@ def check_outputs(outputs, samples: int):
 _FITS = "the model's output to fit the loss and the labels to be in range"
 _UNWRAP = (
     "the task to call the model it is given (in training DDP, FSDP or torch.compile wraps it) and to read "
-    "your module's attributes through samples.unwrap(model), e.g. unwrap(model).init_hidden(batch_size)"
+    "your module's attributes through batching.unwrap(model), e.g. unwrap(model).init_hidden(batch_size)"
 )
 
 

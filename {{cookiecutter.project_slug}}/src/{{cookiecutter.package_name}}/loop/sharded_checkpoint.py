@@ -202,13 +202,14 @@ def cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, more: dict | None = None) -> None:
     """A sharded checkpoint's weights and optimizer state into `model` and `optimizer`, each rank
-    reading the parts it needs, whatever the world size and strategy that wrote them."""
+    reading the parts it needs, whatever the world size and strategy that wrote them; `more`: other
+    tensors it holds beside them (the callbacks'), read in place into the tensors given."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = local_state(model, optimizer)
+    state = local_state(model, optimizer) | (more or {})
     with quiet_alone():
         dcp.load(state, checkpoint_id=directory)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -223,9 +224,10 @@ def model_shapes(directory: Path) -> dict[str, torch.Size]:
     return {key.removeprefix("model."): item.size for key, item in metadata.items() if key.startswith("model.")}
 
 
-def full_weights(directory: Path) -> dict[str, torch.Tensor]:
+def full_weights(directory: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The whole model's weights of a sharded checkpoint in this process (the optimizer's state
-    is not read): for evaluate, export, sample and the tests, on any world size or alone."""
+    is not read): for evaluate, export, sample and the tests, on any world size or alone. Another
+    `prefix`: the tensors under it (callbacks.ema.shadow.: the EMA weights)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -233,11 +235,11 @@ def full_weights(directory: Path) -> dict[str, torch.Tensor]:
     weights = {
         key: torch.empty(item.size, dtype=item.properties.dtype)
         for key, item in metadata.items()
-        if key.startswith("model.")
+        if key.startswith(prefix) and hasattr(item, "size")
     }
     with quiet_alone():
         dcp.load(weights, checkpoint_id=directory, no_dist=True)
-    return {key.removeprefix("model."): tensor for key, tensor in weights.items()}
+    return {key.removeprefix(prefix): tensor for key, tensor in weights.items()}
 
 
 @contextmanager

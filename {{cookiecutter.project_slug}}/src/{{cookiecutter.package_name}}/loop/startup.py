@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..base import dist, hardware
+from ..base.batching import unwrap
 from ..base.dist import DistInfo
 from . import loaders, optim, parallel
 from .metrics import TrainingLog
@@ -82,7 +83,7 @@ def planned_steps(settings: TrainConfig, total_steps: int) -> str:
 def memory_line(cfg: Config, info: DistInfo, model: nn.Module, units: list[nn.Module]) -> str:
     """The static memory per device (weights, gradients, optimizer state) under the run's strategy,
     the model sharded in `units` under fsdp."""
-    bare = dist.bare(model)
+    bare = unwrap(model)
     mib = parallel.static_memory_bytes(bare, units, cfg, info.world_size) / 2**20
     whole = f"static memory per device ~{mib:.1f} MiB (the whole model, gradients and optimizer state)"
     if cfg.parallel.strategy == "ddp":

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .callbacks import Callbacks, Run
 from .profiling import ProfileWindow, StepClock
 
 
@@ -25,9 +27,11 @@ class TrainState:
     # this epoch's layouts before a resume on another world size or batch: [world size, samples each rank read]
     earlier_layouts: list = field(default_factory=list)
     tracked_run_id: str | None = None  # the W&B / MLflow run this training run continues (tracking.py)
+    callbacks: Callbacks = field(default_factory=Callbacks)  # run.callbacks; their state is saved by checkpoint.py
 
     def state_dict(self) -> dict:
-        """All but the optimizer's state, which full_state gathers under the parameters' names."""
+        """All but the optimizer's state, which full_state gathers under the parameters' names, and
+        the callbacks' (tensors among it: checkpoint.py writes them with the weights' format)."""
         return {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -57,18 +61,20 @@ class TrainState:
             self.batch_in_epoch = 0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """What the loop trains and with what; train.build makes it, train.fit runs it."""
 
-    model: nn.Module  # the one handle: DDP(compiled(module)) or the sharded module; dist.bare() is the module
-    state: TrainState  # optimizer, scheduler, scaler and the position in the run
+    model: nn.Module  # the one handle: DDP(compiled(module)) or the sharded module; unwrap() is the module
+    state: TrainState  # optimizer, scheduler, scaler, callbacks and the position in the run
+    run: Run  # what the callbacks see of the run (loop/callbacks.py)
     train_loader: DataLoader
     eval_loader: DataLoader
+    reference_loader: DataLoader | None = None  # task.reference_set's, for dataset_metrics; None without one
     total_steps: int  # optimizer steps of the whole run
     global_batch: int  # samples an optimizer step learns from, over every rank and micro-batch
     clock: StepClock  # where each step's time goes
-    profiler: ProfileWindow | None  # run.profile_steps; None when off
-    units: list[nn.Module]  # parallel.strategy=fsdp: the modules sharded one by one (task.shard_units)
+    profiler: ProfileWindow | None = None  # run.profile_steps; None when off
+    units: list[nn.Module] = field(default_factory=list)  # parallel.strategy=fsdp: the modules sharded one by one
     asked: dict | None = None  # the settings as given, before another world size split the global batch anew
-    reference_loader: DataLoader | None = None  # task.reference_set's, for dataset_metrics; None without one
+    saved: tuple[int, Path] | None = None  # (step, path) of the last checkpoint on disk this attempt wrote

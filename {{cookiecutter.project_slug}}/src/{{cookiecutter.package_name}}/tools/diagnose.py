@@ -35,7 +35,7 @@ from ..base.rundir import RunDir
 from ..config import Config, DataConfig
 from ..loop import loaders, parallel
 from ..loop.profiling import SPLIT
-from . import checks, launch
+from . import checks, launch, saved_activations
 from .checks import FAIL, PASS, WARN
 
 INTERESTING_ENV = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME")
@@ -314,7 +314,7 @@ def memory_rows(cfg: Config, model: torch.nn.Module, batch, ranks: int) -> list[
         static = static_parts(model, units, setting, ranks)
         if strategy == "fsdp" and cfg.train.precision in parallel.LOW_PRECISION:
             gathered_in(model, parallel.LOW_PRECISION[cfg.train.precision])  # FSDP's param_dtype
-        saved = parallel.saved_for_backward(model, batch, units, cfg.train.precision)
+        saved = saved_activations.saved_for_backward(model, batch, units, cfg.train.precision)
         for mode in ("none", "selective", "full"):
             rows.append((strategy, mode, *static, saved.activation_bytes(parallel.recomputed(units, mode))))
     return rows

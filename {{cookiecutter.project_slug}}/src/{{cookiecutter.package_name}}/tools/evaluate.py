@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import config, task, train
-from ..base import cpus, dist
+from ..base import cpus, dist, hardware
 from ..base.dist import DistInfo
 from ..base.rules import ConfigError, exit_on_user_error
 from ..base.rundir import RunDir
@@ -51,7 +51,10 @@ def main(argv=None) -> int:
     with exit_on_user_error():  # before any collective: every rank finds the same problem
         path, payload = checkpoint.find(args.target)
         cfg = config.with_overrides(payload["config"], args.overrides)
-        train.check_hardware(cfg.train.precision, info)
+        dist.bind_device(info)  # first: a CUDA query from an unbound rank opens a context on GPU 0
+        problem = hardware.precision_problem(cfg.train.precision, info.device)
+        if problem:
+            raise ConfigError(problem)
     out = output_of(args.target, path, args.out)
     work = lambda: evaluate(cfg, info, payload, out, args.overrides)  # noqa: E731
     return dist.run_in_group(info, cfg.dist.timeout_minutes, work)

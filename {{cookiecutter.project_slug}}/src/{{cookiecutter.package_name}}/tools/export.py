@@ -4,6 +4,7 @@
     python -m {{ cookiecutter.package_name }}.tools.export runs/default/checkpoints/step_00000500.pt model.pt
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors --dtype bf16  # smaller
     python -m {{ cookiecutter.package_name }}.tools.export runs/default hf/ --format huggingface
+    python -m {{ cookiecutter.package_name }}.tools.export runs/default ema.safetensors --weights ema  # run.callbacks=[ema]
 
 An output ending in .safetensors gets safetensors (the project's export extra); any other a
 plain state_dict; --format overrides the choice by suffix. The safetensors metadata records the
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .. import task
-from ..base import extras
+from ..base import extras, hardware
 from ..base.rules import ConfigError, exit_on_user_error
 from ..config import RunConfig, from_dict
 from ..loop import checkpoint
@@ -42,20 +43,25 @@ LOADERS = {
 }
 
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = hardware.AUTOCAST_DTYPES  # --dtype: the precisions a run trains in
 
 
-def export_weights(target: str | Path, output: str | Path, fmt: str | None = None, dtype: str | None = None) -> str:
+def export_weights(
+    target: str | Path, output: str | Path, fmt: str | None = None, dtype: str | None = None, weights: str = "model"
+) -> str:
     """Write only the model's weights of the checkpoint `target` names (a file, a sharded
     checkpoint's directory, or a run directory's newest), their floating-point tensors cast to
-    `dtype` if given (integer buffers stay); returns the format written."""
+    `dtype` if given (integer buffers stay); `weights` ema: the EMA callback's average instead of
+    the trained parameters. Returns the format written."""
     fmt = fmt or ("safetensors" if Path(output).suffix == ".safetensors" else "pt")
     if fmt == "huggingface":
         export_huggingface(target, output, dtype)
         return fmt
     if fmt == "safetensors":
         extras.require("safetensors", "export to .safetensors")  # before the checkpoint is read
-    _, payload = checkpoint.find(target)
+    path, payload = checkpoint.find(target)
+    if weights == "ema":
+        payload["model"] = checkpoint.ema_weights(path, payload)
     if dtype is not None:
         cast = DTYPES[dtype]
         payload["model"] = {k: v.to(cast) if v.is_floating_point() else v for k, v in payload["model"].items()}
@@ -199,9 +205,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--format", choices=sorted(LOADERS), help="overrides the choice by suffix")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the floating-point weights (default: as saved)")
+    parser.add_argument(
+        "--weights", choices=["model", "ema"], default="model", help="ema: the EMA callback's average (run.callbacks)"
+    )
     args = parser.parse_args(argv)
     with exit_on_user_error():
-        fmt = export_weights(args.checkpoint, args.output, args.format, args.dtype)
+        if args.weights == "ema" and args.format == "huggingface":
+            raise ConfigError("--weights ema: export to .safetensors or .pt; --format huggingface takes the model's")
+        fmt = export_weights(args.checkpoint, args.output, args.format, args.dtype, args.weights)
     print(f"wrote {args.output}: load it with {LOADERS[fmt]}")
     return 0
 

@@ -34,7 +34,7 @@ from torch.utils.data import Subset
 
 from .. import config, task, train
 from ..base import dist, hardware, preemption, records
-from ..base.batching import elements
+from ..base.batching import elements, unwrap
 from ..base.dist import DistInfo
 from ..base.rules import exit_on_user_error
 from ..loop import checkpoint, loaders, parallel
@@ -115,14 +115,14 @@ def check_gradients_reduced(job: train.Job, cfg, info: DistInfo, passes: list[fl
         return check_gradients_reduce_scattered(model, batch, cfg, info, passes)
     start = time.perf_counter()
     with model.no_sync():
-        with train.autocast(cfg, info):  # the run's precision: the passes time its steps
+        with hardware.autocast(cfg.train.precision, info.device):  # the run's precision: the passes time its steps
             loss = task.loss_sum(model, batch)
         loss.backward()
     local = dist.all_gather_objects(gradient_digest(model))  # a digest reads the gradients: the pass has ended
     passes.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    with train.autocast(cfg, info):
+    with hardware.autocast(cfg.train.precision, info.device):
         loss = task.loss_sum(model, batch)
     loss.backward()
     reduced = dist.all_gather_objects(gradient_digest(model))
@@ -139,7 +139,9 @@ def check_gradients_reduce_scattered(model, batch, cfg, info: DistInfo, passes: 
     """Under FSDP each rank keeps its shard of the averaged gradient: the ranks' losses on their
     own batches differ, and every parameter gets a finite gradient shard on every rank."""
     start = time.perf_counter()
-    with train.autocast(cfg, info):  # parameters gathered in bf16 meet BatchNorm's fp32 outputs
+    with hardware.autocast(
+        cfg.train.precision, info.device
+    ):  # parameters gathered in bf16 meet BatchNorm's fp32 outputs
         loss = task.loss_sum(model, batch)
     loss.backward()
     losses = dist.all_gather_objects(loss.item())
@@ -155,8 +157,8 @@ def check_gradients_reduce_scattered(model, batch, cfg, info: DistInfo, passes: 
 
 
 def check_precision(cfg, info: DistInfo, scaler) -> tuple[str, str]:
-    expected = train.AUTOCAST_DTYPES[cfg.train.precision]
-    with train.autocast(cfg, info):
+    expected = hardware.AUTOCAST_DTYPES[cfg.train.precision]
+    with hardware.autocast(cfg.train.precision, info.device):
         out = torch.nn.functional.linear(torch.ones(2, 2, device=info.device), torch.ones(2, 2, device=info.device))
     scaler_ok = scaler.is_enabled() == (cfg.train.precision == "fp16")
     if out.dtype != expected or not scaler_ok:
@@ -285,7 +287,7 @@ def _checkpoint_round_trip(job: train.Job, cfg, info: DistInfo) -> tuple[str, st
     path = train.save_checkpoint(job, cfg, info, final=True)  # written, also with checkpoint.async_save
     fresh = task.build_model(cfg)
     fresh.load_state_dict(checkpoint.find(path)[1]["model"])
-    same = digest(fresh.state_dict().values()) == digest(dist.bare(job.model).state_dict().values())
+    same = digest(fresh.state_dict().values()) == digest(unwrap(job.model).state_dict().values())
     return (PASS if same else FAIL), f"{path.name} reloads into a plain model bit-identically"
 
 

@@ -6,7 +6,7 @@ by the images of every rank and micro-batch of the step. Evaluation returns per-
 which the loop adds over every image once: the accuracies are exact whatever the world size.
 
 `loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
-call it, and would reach the module's own attributes through samples.unwrap(model) (docs/your-model-and-data.md).
+call it, and would reach the module's own attributes through batching.unwrap(model) (docs/your-model-and-data.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ one process on the whole global batch, and stays exact if windows come to differ
 over every window once. Loss and perplexity are per token, in nats.
 
 `loss_sum` and `eval_sums` get the model as the loop wrapped it (DDP, FSDP, torch.compile): they
-call it, and would reach the module's own attributes through samples.unwrap(model) (docs/your-model-and-data.md).
+call it, and would reach the module's own attributes through batching.unwrap(model) (docs/your-model-and-data.md).
 """
 
 from __future__ import annotations
