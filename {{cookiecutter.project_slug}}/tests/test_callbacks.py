@@ -105,6 +105,18 @@ def test_a_callbacks_scalars_reach_every_log_window_and_every_sinks_tags(run_her
     assert "| last_step 4 |" in out  # the console line
 
 
+def test_a_named_scalar_and_an_ema_metric_reach_tensorboard_under_their_tags(run_here):
+    pytest.importorskip("tensorboard", reason="TensorBoard is optional: pip install tensorboard (the viz extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    callbacks = f"run.callbacks=[{__name__}:StepsSeen,ema]"
+    cfg, _ = run_here(callbacks, "run.tensorboard=true", "train.max_steps=8", "run.log_every=4", "eval.every=4")
+    events = EventAccumulator(str(cfg.run_dir.tensorboard))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/last_step")] == [(4, 4.0), (8, 8.0)]
+    assert [e.step for e in events.Scalars(f"eval/ema/{task.MAIN_METRIC[0]}")] == [4, 8]
+
+
 def test_ema_follows_its_formula_from_the_start_step_and_averages_a_tied_weight_once():
     model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
     model[1].weight = model[0].weight  # tied, as a language model's embedding and head
@@ -213,6 +225,18 @@ def test_early_stopping_ends_the_run_with_its_reason_and_a_requeue_stays_stopped
     _, again = run_here(*settings, "eval.every=1", "train.max_steps=10")  # a requeue of the stopped run
     assert "this run stopped at step 3 (early stopping:" in again and "nothing to train" in again
     assert len(read_metrics(cfg.run_dir)) == logged
+
+
+def test_a_stop_at_an_epochs_end_after_that_steps_checkpoint_is_still_in_the_final_checkpoint(run_here):
+    # every step saves, and each epoch's evaluation comes after its last step's checkpoint: the
+    # stop it decides must reach the checkpoint the run ends with, or a requeue trains on
+    settings = ("run.callbacks=[early_stopping]", "early_stopping.patience=1", "early_stopping.min_delta=1e9")
+    settings += ("checkpoint.every_steps=1", "train.epochs=4")
+    cfg, _ = run_here(*settings)
+    evaluations = records.of_kind(read_metrics(cfg.run_dir), records.EVAL)
+    assert len(evaluations) == 2  # the epochs' ends: the first is the best, the second stops the run
+    _, again = run_here(*settings)
+    assert f"this run stopped at step {evaluations[-1]['step']}" in again
 
 
 def test_early_stopping_with_patience_waits_for_that_many_evaluations_without_a_better_value():

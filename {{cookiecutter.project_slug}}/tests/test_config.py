@@ -92,8 +92,9 @@ def test_sync_rewrites_a_drifted_file_and_keeps_its_values(tmp_path):
 def test_sync_leaves_the_file_as_it_was_when_a_value_breaks_a_rule(tmp_path):
     path = tmp_path / "default.yaml"
     path.write_text("train:\n  lr: -1.0\n")  # of the right type, against its rule: the user's to fix
-    with pytest.raises(ConfigError, match=r"optim.lr: -1.0 is invalid; use a positive learning rate"):
+    with pytest.raises(ConfigError, match=r"optim.lr: -1.0 is invalid; use a positive learning rate") as raised:
         config.sync(path)
+    assert str(raised.value).endswith(f"(the value kept from {path}: change it there)")  # where the value is
     assert path.read_text() == "train:\n  lr: -1.0\n"
 
 
@@ -294,6 +295,18 @@ def test_every_error_names_the_file_or_the_override_it_came_from(tmp_path):
         config.load([paths["first"]], ["data.batch_size=-3"])
 
 
+def test_a_check_blames_the_base_for_a_setting_the_base_gave_not_the_file_that_extends_it(tmp_path):
+    paths = files(
+        tmp_path,
+        configs__base="checkpoint:\n  async_save: true\n  format: full\n",
+        experiments__x="extends: ../configs/base.yaml\noptim:\n  lr: 0.5\n",
+    )
+    cfg, sources = config.compose([SMOKE_CONFIG, paths["experiments__x"]])
+    with pytest.raises(ConfigError) as raised:
+        train.check_settings(cfg, torch.device("cpu"), sources)
+    assert f"checkpoint.async_save=false (in {paths['configs__base']}" in str(raised.value)
+
+
 def test_a_check_of_the_settings_names_where_the_setting_it_blames_was_given(tmp_path):
     mine = tmp_path / "mine.yaml"
     mine.write_text("checkpoint:\n  async_save: true\n  format: full\n")
@@ -318,6 +331,12 @@ def test_a_check_of_the_settings_names_where_the_setting_it_blames_was_given(tmp
         ("train.batch_size=8", "train.batch_size: unknown key; did you mean data.batch_size?"),  # the wrong section
         ("optm.lr=1", "optm: unknown section; did you mean optim?"),
         ("optim.zzz=1", "optim.zzz: unknown key; known keys: betas, lr, lr_scaling, momentum, name, nesterov,"),
+        # only loosely like a key of another section (train.max_steps): the section's keys, not a wrong guess
+        ("optim.warmup_steps=5", "optim.warmup_steps: unknown key; known keys: betas, lr, lr_scaling, momentum,"),
+        ("schedule.warmup=0.1", "schedule.warmup: unknown key; did you mean schedule.warmup_fraction?"),  # a prefix
+        # a key of another section before a loose one of its own (reference_batch_size)
+        ("optim.batch_size=8", "optim.batch_size: unknown key; did you mean data.batch_size?"),
+        ("train.name=x", "train.name: unknown key; did you mean run.name, optim.name or schedule.name?"),
     ],
 )
 def test_an_unknown_name_gets_the_closest_known_one(override, hint):

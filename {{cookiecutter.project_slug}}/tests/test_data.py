@@ -315,6 +315,34 @@ def test_seeded_samples_draw_from_the_seed_epoch_and_index_and_leave_the_process
     assert batching.SeededSamples(Drawn(), seed=8)[3] != first
 
 
+def test_seeded_draws_of_one_seed_and_epoch_are_no_other_seeds_at_another_epoch():
+    # (seed, epoch, index), not (seed + epoch, index): run seed 8 must not repeat seed 7's draws an epoch later
+    draws = {}
+    for seed in (7, 8):
+        seeded = batching.SeededSamples(Drawn(), seed=seed)
+        for epoch in (0, 1, 2):
+            seeded.set_epoch(epoch)
+            draws[seed, epoch] = [seeded[index] for index in range(len(seeded))]
+    assert len({tuple(map(tuple, epoch_draws)) for epoch_draws in draws.values()}) == len(draws)
+
+
+class Curriculum(Drawn):
+    """A dataset of the user's that follows the epoch itself (a curriculum, an augmentation's magnitude)."""
+
+    epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_seeded_datasets_own_set_epoch_hears_every_epoch():
+    curriculum = Curriculum()
+    seeded = batching.SeededSamples(curriculum, seed=7)
+    for epoch in (1, 2, 5):
+        seeded.set_epoch(epoch)
+        assert curriculum.epoch == epoch
+
+
 def test_first_samples_collate_like_the_loader_without_touching_the_sampler():
     train, _ = build(0, 2)
     order = epoch_order(train, 0)

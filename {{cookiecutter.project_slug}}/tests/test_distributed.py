@@ -84,6 +84,15 @@ def test_a_gradient_off_by_more_than_rounding_fails_its_verdict_with_the_likely_
     assert failed.endswith("(6 steps); task.loss_sum looks like a mean")
 
 
+def test_the_proofs_batch_fits_every_micro_batch_of_a_step_into_a_small_training_set(monkeypatch):
+    # 100 samples on 2 ranks with 4 micro-batches a step: 50 a rank hold 4 batches of 12, not of 32
+    monkeypatch.setattr(dist_proofs.loaders, "datasets", lambda cfg: (range(100), range(10)))
+    cfg = config.load(SMOKE_CONFIG, ["data.batch_size=32"])
+    assert dist_proofs.fitting_batch(cfg, world_size=2, accum=4) == 12
+    assert dist_proofs.fitting_batch(cfg, world_size=2, accum=1) == 32
+    assert dist_proofs.fitting_batch(cfg, world_size=2, accum=64) == 0  # not one sample a micro-batch: skipped
+
+
 def test_the_probes_find_a_mean_where_the_loop_needs_a_sum(monkeypatch):
     assert dist_proofs.drift_causes([]) == []  # the project's task: a sum, no state
     ratio, _ = dist_proofs.probe_task([])

@@ -58,6 +58,16 @@ def test_a_process_count_comes_from_the_user_or_the_operator(env, variable, coun
     assert launch.requested_processes(env) == (variable, count)
 
 
+def test_the_launchers_own_refusal_exits_2_with_one_line_before_any_process_starts(tmp_path):
+    # a refusal is a usage error, as torchrun's and argparse's are (2), not a failed run (1)
+    command = [sys.executable, "-m", f"{PACKAGE}.tools.launch", "--standalone", "-m", f"{PACKAGE}.train"]
+    command += ["--config", SMOKE_CONFIG, f"run.out_dir={tmp_path}"]
+    result = subprocess.run(command, env=project_env(NPROC_PER_NODE="two"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == "launch error: NPROC_PER_NODE='two': use a positive number of processes"
+    assert not (tmp_path / "smoke").exists()  # nothing ran
+
+
 def test_a_bad_operator_count_names_its_variable():
     with pytest.raises(LaunchError, match="PET_NPROC_PER_NODE=8 but this node shows 4 GPU"):
         launch.prepare(["-m", "pkg.train"], {"PET_NPROC_PER_NODE": "8"}, gpus=4, affinity=16)

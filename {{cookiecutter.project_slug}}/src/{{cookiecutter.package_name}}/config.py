@@ -477,14 +477,17 @@ def sync(path: str | Path) -> list[str]:
                 changed.append(f"{name}.{key}={value!r} ({problem}): dropped")
             else:
                 kept[name][key] = value
-    if base is None:
-        text = render_yaml(from_dict(kept))
-    else:
-        comments = "".join(line + "\n" for line in Path(path).read_text().splitlines() if line.startswith("#"))
-        text = render_yaml(from_dict(kept), kept, comments + f"{EXTENDS}: {yaml_scalar(base)}\n")
-    checked = yaml.safe_load(text)
-    checked.pop(EXTENDS, None)
-    from_dict(checked)  # the file as load() will read it
+    try:
+        if base is None:
+            text = render_yaml(from_dict(kept))
+        else:
+            comments = "".join(line + "\n" for line in Path(path).read_text().splitlines() if line.startswith("#"))
+            text = render_yaml(from_dict(kept), kept, comments + f"{EXTENDS}: {yaml_scalar(base)}\n")
+        checked = yaml.safe_load(text)
+        checked.pop(EXTENDS, None)
+        from_dict(checked)  # the file as load() will read it
+    except ConfigError as err:  # a value the file holds, against a rule that changed since (a new model's range)
+        raise typed_config.located(err, f"the value kept from {path}: change it there") from None
     partial = Path(path).with_name(f".{Path(path).name}.partial")
     partial.write_text(text)
     os.replace(partial, path)

@@ -438,6 +438,8 @@ def run_evaluation(job: Job, cfg: Config, info: DistInfo, log: TrainingLog) -> N
     for prefix, model in job.state.callbacks.models_to_evaluate(job.run):
         results |= records.prefixed(evaluate(model, job.eval_loader, cfg, info, job.reference_loader), prefix)
     log.evaluation(job.state.step, job.state.epoch, results)
+    if job.state.callbacks:
+        job.saved = None  # their state moves: a checkpoint of this step written before is written anew
     for callback in job.state.callbacks:
         callback.after_evaluation(job.run, records.eval_metrics(results))
     if job.run.checkpoint_requested:

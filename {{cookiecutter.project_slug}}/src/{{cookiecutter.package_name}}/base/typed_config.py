@@ -78,15 +78,22 @@ def check_section(name: str, cls: type, values: dict, sections: dict) -> dict:
 
 
 def closest_key(name: str, key: str, known: list[str], sections: dict) -> str:
-    """ "did you mean section.key?" for the known key closest to a misspelt one (difflib's ratio),
-    in its own section, else nearly the same key in another section (a key under the wrong one);
-    else the section's keys."""
-    near = difflib.get_close_matches(key, known, 1)
+    """ "did you mean section.key?" for a misspelt key: the same key in another section (a key under
+    the wrong one), else the section's key it begins (warmup -> warmup_fraction) or is closest to
+    (difflib's ratio), else nearly the same key of another section; else the section's keys."""
+    elsewhere: dict[str, list[str]] = {}
+    for other, kind in sections.items():
+        for f in dataclasses.fields(kind):
+            if other != name:
+                elsewhere.setdefault(f.name, []).append(f"{other}.{f.name}")
+    if key in elsewhere:
+        *others, last = elsewhere[key]
+        return f"did you mean {', '.join(others) + ' or ' if others else ''}{last}?"
+    near = [k for k in known if k.startswith(key)][:1] or difflib.get_close_matches(key, known, 1)
     if near:
         return f"did you mean {name}.{near[0]}?"
-    elsewhere = {f.name: f"{other}.{f.name}" for other, kind in sections.items() for f in dataclasses.fields(kind)}
     near = difflib.get_close_matches(key, elsewhere, 1, ELSEWHERE_CUTOFF)
-    return f"did you mean {elsewhere[near[0]]}?" if near else f"known keys: {', '.join(sorted(known))}"
+    return f"did you mean {elsewhere[near[0]][0]}?" if near else f"known keys: {', '.join(sorted(known))}"
 
 
 def upgrade(tree: dict, renamed: dict[str, str], sections) -> tuple[dict, list[str]]:
