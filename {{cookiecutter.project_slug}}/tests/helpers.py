@@ -1,4 +1,5 @@
-"""Test models for the diagnostics, a checkpoint of either format read whole, and a resume in one call."""
+"""Test models for the diagnostics, a checkpoint of either format read whole, a resume in one call,
+and a callback the launched runs name (tests/ is on their path)."""
 
 import tempfile
 from pathlib import Path
@@ -7,9 +8,11 @@ import torch
 from torch import nn
 
 from {{ cookiecutter.package_name }} import task
+from {{ cookiecutter.package_name }}.base import scalars
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
 from {{ cookiecutter.package_name }}.loop import callbacks, checkpoint
+from {{ cookiecutter.package_name }}.loop.callbacks import Callback
 from {{ cookiecutter.package_name }}.loop.state import TrainState
 
 
@@ -64,3 +67,13 @@ def resume(
     if chosen is not None:
         checkpoint.restore(model, state, chosen, payload, info, config)
     return chosen
+
+
+class RankScalars(Callback):
+    """Scalars that differ by rank: one only rank 1 adds, and each rank's number (the max is the last's)."""
+
+    def after_step(self, run):
+        if run.info.rank == 1:  # a name one rank adds and the others never do: no collective here
+            scalars.add("rank_one_steps", 1.0, reduce="sum")
+        scalars.add("highest_rank", float(run.info.rank), reduce="max")
+        scalars.add("mean_rank", float(run.info.rank))

@@ -355,3 +355,14 @@ def test_2_ranks_with_every_built_in_killed_after_a_checkpoint_resume_bit_identi
         assert torch.allclose(average, 0.5 * shadow_2[name] + 0.5 * step_3["model"][name], atol=1e-6), name
     ranked_2, ranked_3 = (s["callbacks"]["best_checkpoints"]["ranked"] for s in (step_2, step_3))
     assert all(entry in ranked_3 for entry in ranked_2)
+
+
+@pytest.mark.slow
+def test_on_2_ranks_a_scalar_one_rank_adds_and_each_ranks_own_reach_the_log_reduced(tmp_path):
+    settings = ("data.num_workers=0", "train.max_steps=8", "run.log_every=4", "run.callbacks=[helpers:RankScalars]")
+    torchrun(*train_args(tmp_path, *settings, "run.tensorboard=false"), timeout=300)
+    windows = records.of_kind(read_metrics(RunDir(tmp_path / "smoke")), records.TRAIN)
+    assert [(w["step"], w["rank_one_steps"], w["highest_rank"], w["mean_rank"]) for w in windows] == [
+        (4, 4.0, 1.0, 0.5),
+        (8, 4.0, 1.0, 0.5),
+    ]

@@ -14,27 +14,19 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .callbacks import Callback, Run, metric_goal, metric_value
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 SECTION = "best_checkpoints"
 
 
 class BestCheckpoints(Callback):
-    def __init__(self, metric: str, goal: str, keep: int):
-        self.metric, self.goal, self.keep = metric, goal, keep
+    section = SECTION
+
+    def __init__(self, metric: str, mode: str, keep: int):
+        (self.metric, self.goal), self.keep = metric_goal(SECTION, metric, mode), keep
         self.ranked: list[list] = []  # [step, value], best first
         self.pending: int | None = None  # the step whose checkpoint this asked for, linked once written
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> BestCheckpoints:
-        section = cfg.best_checkpoints
-        metric, goal = metric_goal(SECTION, section.metric, section.mode)
-        return cls(metric, goal, section.keep)
 
     def on_start(self, run: Run) -> None:
         if not run.info.is_main:

@@ -12,7 +12,8 @@ collective (an all-reduce, a DTensor's full_tensor) is allowed where it is calle
 never inside `if run.info.is_main`, where it waits for ranks that never come (until
 dist.timeout_minutes ends the job).
 
-    from_config(cfg)              build it from the whole Config: take your section or values
+    from_config(cfg)              build it from the whole Config (by default: its `section`'s values
+                                  as keywords, or no arguments)
     setup(run)                    the model wrapped, the optimizer built, before a resume: make your state
     load_state_dict(state)        on a resume: what state_dict gave when that checkpoint was written
     on_start(run)                 after a resume (run.state.step is where it continues), before a step
@@ -80,11 +81,14 @@ class Run:
 
 
 class Callback:
-    """A callback does nothing at every moment until it says otherwise; override what you need."""
+    """A callback does nothing at every moment until it says otherwise; override what you need.
+    `section`: the config section its constructor takes as keywords (the built-ins'), or None."""
+
+    section: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> Callback:
-        return cls()
+        return cls(**vars(getattr(cfg, cls.section))) if cls.section else cls()
 
     def setup(self, run: Run) -> None:
         pass

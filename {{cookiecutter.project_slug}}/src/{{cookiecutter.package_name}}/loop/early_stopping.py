@@ -7,28 +7,23 @@ at once, saying so, instead of training on (a new run.name starts afresh).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .callbacks import Callback, Run, metric_goal, metric_value
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 SECTION = "early_stopping"
 
 
 class EarlyStopping(Callback):
-    def __init__(self, metric: str, goal: str, patience: int, min_delta: float = 0.0):
-        self.metric, self.goal, self.patience, self.min_delta = metric, goal, patience, min_delta
+    section = SECTION
+
+    def __init__(self, metric: str, mode: str, patience: int, min_delta: float = 0.0):
+        (self.metric, self.goal), self.patience, self.min_delta = (
+            metric_goal(SECTION, metric, mode),
+            patience,
+            min_delta,
+        )
         self.best: float | None = None
         self.since_best = 0  # evaluations since the best
         self.reason: str | None = None  # why the run stopped, once it did
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> EarlyStopping:
-        section = cfg.early_stopping
-        metric, goal = metric_goal(SECTION, section.metric, section.mode)
-        return cls(metric, goal, section.patience, section.min_delta)
 
     def on_start(self, run: Run) -> None:
         if self.reason:

@@ -15,7 +15,6 @@ they are the same on every rank after the evaluation's broadcast, an average of 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,21 +22,16 @@ from torch import nn
 from ..base.batching import unwrap
 from .callbacks import Callback, Run, into_layout
 
-if TYPE_CHECKING:
-    from ..config import Config
-
 PREFIX = "ema"
 
 
 class EMA(Callback):
+    section = "ema"
+
     def __init__(self, decay: float, start_step: int = 0):
         self.decay, self.start_step = decay, start_step
         self.names: list[str] = []
         self.shadow: list[torch.Tensor] = []
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> EMA:
-        return cls(cfg.ema.decay, cfg.ema.start_step)
 
     def setup(self, run: Run) -> None:
         tracked = averaged(unwrap(run.model))

@@ -4,7 +4,7 @@
     python -m {{ cookiecutter.package_name }}.tools.export runs/default/checkpoints/step_00000500.pt model.pt
     python -m {{ cookiecutter.package_name }}.tools.export runs/default model.safetensors --dtype bf16  # smaller
     python -m {{ cookiecutter.package_name }}.tools.export runs/default hf/ --format huggingface
-    python -m {{ cookiecutter.package_name }}.tools.export runs/default ema.safetensors --weights ema  # run.callbacks=[ema]
+    python -m {{ cookiecutter.package_name }}.tools.export runs/default ema.safetensors --weights ema  # EMA
 
 An output ending in .safetensors gets safetensors (the project's export extra); any other a
 plain state_dict; --format overrides the choice by suffix. The safetensors metadata records the
