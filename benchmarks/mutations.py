@@ -1067,6 +1067,13 @@ MUTANTS = [
         "    if False:\n",
     ),
     Mutant(
+        "hang bounds as written whatever the model",
+        "a test's time limit is a hang bound sized from the model's step time",
+        Path("tests/conftest.py"),
+        "    bound = seconds * slowdown * HANG_BOUND_SCALE\n",
+        "    bound = seconds * HANG_BOUND_SCALE\n",
+    ),
+    Mutant(
         "ema lerp towards the old average",
         "EMA: decay x average + (1 - decay) x weights",
         EMA,

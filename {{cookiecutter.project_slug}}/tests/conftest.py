@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -198,11 +199,65 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
+HANG_BOUND_SCALE = float(os.environ.get("HANG_BOUND_SCALE", "1"))  # docs/tests.md: every launch's bound times this
+# the written bounds fit a model whose training step on a smoke batch takes this long on one CPU
+# thread (the language-model starter's: about 22 ms on 2 busy cores); a slower one's are longer
+WRITTEN_FOR_STEP_S = 0.05
+MOST_SLOWDOWN = 20.0
+
+
+def step_seconds(seam, cfg, steps: int = 3) -> float:
+    """The fastest of `steps` forward and backward passes of `seam`'s model on a smoke batch, on
+    this process's threads, here and now (after one pass that warms up)."""
+    train_set, _ = seam.build_datasets(cfg)
+    collate = getattr(seam, "collate", torch.utils.data.default_collate)
+    samples = [train_set[i] for i in range(min(cfg.data.batch_size, len(train_set)))]
+    batch = seam.to_device(collate(samples), torch.device("cpu"))
+    model = seam.build_model(cfg).train()
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        seam.loss_sum(model, batch).backward()
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+@functools.cache
+def model_slowdown() -> float:
+    """How many times longer than WRITTEN_FOR_STEP_S a training step of the project's model takes
+    (1 to MOST_SLOWDOWN), measured once, in this process, on one thread as each launched rank
+    runs: a heavy model (a detector on CPUs) gets longer hang bounds, not a failed test. 1 if the
+    measurement fails: the error is the launches' own to show."""
+    from {{ cookiecutter.package_name }} import task
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.set_num_threads(1)
+            seconds = step_seconds(task, load_config(SMOKE_CONFIG))
+    except Exception:
+        return 1.0
+    finally:
+        torch.set_num_threads(threads)
+    return min(max(1.0, seconds / WRITTEN_FOR_STEP_S), MOST_SLOWDOWN)
+
+
+def hang_bound(seconds: float) -> tuple[float, str]:
+    """A launch's hang bound for one written as `seconds`, and how it was sized."""
+    slowdown = model_slowdown()
+    bound = seconds * slowdown * HANG_BOUND_SCALE
+    how = f"{seconds:.0f} s as written x {slowdown:.1f} (the model's step time over {WRITTEN_FOR_STEP_S} s)"
+    how += f" x HANG_BOUND_SCALE={HANG_BOUND_SCALE:g}; HANG_BOUND_SCALE=3 allows 3 times more"
+    return bound, how
+
+
 def finish(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each process started with start_new_session, all within
-    `timeout`; then every process of their sessions is killed, so none outlives the test. One still
-    running at the deadline fails the test with each process's Python stack (SIGABRT makes
-    faulthandler print them: PYTHONFAULTHANDLER is set by project_env) and the output so far."""
+    """(exit code, stdout, stderr) of each process started with start_new_session, all within a
+    hang bound sized from `timeout` (hang_bound); then every process of their sessions is killed,
+    so none outlives the test. One still running at the deadline fails the test with each
+    process's Python stack (SIGABRT makes faulthandler print them: PYTHONFAULTHANDLER is set by
+    project_env), the output so far and how the bound was sized."""
+    timeout, how = hang_bound(timeout)
     deadline = time.monotonic() + timeout
     try:
         results = []
@@ -210,7 +265,7 @@ def finish(processes: list[subprocess.Popen], timeout: float) -> list[tuple[int,
             try:
                 stdout, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise AssertionError(hang_report(process, timeout)) from None
+                raise AssertionError(f"{hang_report(process, timeout)}\nthe bound: {how}") from None
             results.append((process.returncode, stdout, stderr))
         return results
     finally:

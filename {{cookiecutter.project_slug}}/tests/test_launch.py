@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import PACKAGE, PROJECT, SMOKE_CONFIG, finish, project_env
 
@@ -56,6 +57,20 @@ def test_a_process_count_must_be_positive(requested):
 )
 def test_a_process_count_comes_from_the_user_or_the_operator(env, variable, count):
     assert launch.requested_processes(env) == (variable, count)
+
+
+def test_a_slow_models_launches_get_hang_bounds_sized_from_its_step_time(monkeypatch):
+    # a detector on CPUs steps 10 times slower than the bounds were written for: 10 times longer
+    monkeypatch.setattr(conftest, "step_seconds", lambda seam, cfg: conftest.WRITTEN_FOR_STEP_S * 10)
+    conftest.model_slowdown.cache_clear()
+    try:
+        bound, how = conftest.hang_bound(180)
+        assert bound == pytest.approx(1800) and "x 10.0 (the model's step time" in how and "HANG_BOUND_SCALE" in how
+        monkeypatch.setattr(conftest, "step_seconds", lambda seam, cfg: conftest.WRITTEN_FOR_STEP_S * 1000)
+        conftest.model_slowdown.cache_clear()
+        assert conftest.hang_bound(180)[0] == pytest.approx(180 * conftest.MOST_SLOWDOWN)  # a hang still ends
+    finally:
+        conftest.model_slowdown.cache_clear()
 
 
 def test_the_launchers_own_refusal_exits_2_with_one_line_before_any_process_starts(tmp_path):
