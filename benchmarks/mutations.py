@@ -179,7 +179,7 @@ MUTANTS = [
         "loss over local terms",
         "P16/P26 loss weighted by the global count",
         TRAIN,
-        "loss_scale = info.world_size / step_terms(local_terms, len(micro_batches) * cfg.data.batch_size, info)",
+        "loss_scale = info.world_size / step_terms(local_terms, full, info, micro_batches)",
         "loss_scale = 1 / local_terms",
     ),
     Mutant(
@@ -1072,6 +1072,13 @@ MUTANTS = [
         Path("tests/conftest.py"),
         "    bound = seconds * slowdown * HANG_BOUND_SCALE\n",
         "    bound = seconds * HANG_BOUND_SCALE\n",
+    ),
+    Mutant(
+        "the terms check assumes full micro-batches",
+        "the terms check counts the samples the micro-batch holds",
+        PREFLIGHT,
+        "    if held and terms == task.TERMS_PER_SAMPLE * held:\n        return\n",
+        "",
     ),
     Mutant(
         "ema lerp towards the old average",

@@ -31,7 +31,7 @@ from {{ cookiecutter.package_name }}.base.batching import unwrap
 from {{ cookiecutter.package_name }}.base.dist import DistInfo
 from {{ cookiecutter.package_name }}.base.rules import ConfigError
 from {{ cookiecutter.package_name }}.base.rundir import RunDir
-from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, parallel, startup
+from {{ cookiecutter.package_name }}.loop import checkpoint, loaders, parallel, preflight, startup
 from {{ cookiecutter.package_name }}.task import build_model
 from {{ cookiecutter.package_name }}.tools import evaluate
 
@@ -296,6 +296,15 @@ def test_cudnn_benchmark_follows_the_config(flag):
     cfg = config.load(SMOKE_CONFIG, [f"train.cudnn_benchmark={str(flag).lower()}"])
     train.build(cfg, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"))
     assert torch.backends.cudnn.benchmark is flag
+
+
+def test_the_terms_check_counts_the_samples_a_smaller_micro_batch_holds(monkeypatch):
+    # a proof of the user's own calls the step on 8 samples where data.batch_size is 16
+    monkeypatch.setattr(task, "TERMS_PER_SAMPLE", 2)
+    smaller = [torch.zeros(8, 3)]
+    train.step_terms(16.0, 16, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"), smaller)  # 2 for each of 8: right
+    with pytest.raises(preflight.TaskError, match="count_terms gave 15 terms for 8 samples, but task.TERMS_PER_SAMPLE"):
+        train.step_terms(15.0, 16, DistInfo(0, 0, 1, 1, torch.device("cpu"), "none"), smaller)
 
 
 @pytest.mark.usefixtures("process_settings")

@@ -359,7 +359,8 @@ def train_step(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tu
     # the step's loss terms over every rank: the gradient becomes that of one process on the union
     # of all the micro-batches, however the terms are spread over ranks
     local_terms = float(sum(task.count_terms(batch) for batch in micro_batches))
-    loss_scale = info.world_size / step_terms(local_terms, len(micro_batches) * cfg.data.batch_size, info)
+    full = len(micro_batches) * cfg.data.batch_size  # drop_last: the loader's micro-batches are full
+    loss_scale = info.world_size / step_terms(local_terms, full, info, micro_batches)
     loss_sum = torch.zeros((), device=info.device)
     with clock.fwd_bwd:  # includes DDP's all-reduce that backward could not hide
         for index, batch in enumerate(micro_batches):
@@ -384,8 +385,9 @@ def train_step(job: Job, micro_batches: list, cfg: Config, info: DistInfo) -> tu
     return loss_sum, local_terms, grad_norm
 
 
-def step_terms(local_terms: float, samples: int, info: DistInfo) -> float | torch.Tensor:
-    """Loss terms of this optimizer step summed over every rank; `samples`: this rank's.
+def step_terms(local_terms: float, samples: int, info: DistInfo, micro_batches: list = ()) -> float | torch.Tensor:
+    """Loss terms of this optimizer step summed over every rank; `samples`: this rank's in full
+    micro-batches, `micro_batches` the step's (counted where they hold fewer).
 
     When each sample holds task.TERMS_PER_SAMPLE terms no collective is needed: every rank
     runs the same number of full batches (drop_last), so the sum is world size x local.
@@ -393,7 +395,7 @@ def step_terms(local_terms: float, samples: int, info: DistInfo) -> float | torc
     """
     if task.TERMS_PER_SAMPLE is None:
         return all_reduced_terms(local_terms, info)
-    check_declared_terms(local_terms, samples)
+    check_declared_terms(local_terms, samples, micro_batches)
     return local_terms * info.world_size
 
 

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .. import task
 from ..base.across_ranks import as_one_process, gathers_replaced
-from ..base.batching import describe, drawn_from, first_samples
+from ..base.batching import describe, drawn_from, first_samples, num_samples
 from ..base.rules import ConfigError
 
 SAMPLES = 2  # enough to expose a batch dimension; cheap for any model on the CPU
@@ -190,14 +190,20 @@ def _check_spans_ranks(gathered: bool) -> None:
         )
 
 
-def check_declared_terms(terms: float, samples: int) -> None:
-    """The loop trusts task.TERMS_PER_SAMPLE to count every rank's terms without a collective."""
-    if terms != task.TERMS_PER_SAMPLE * samples:
-        raise TaskError(
-            f"task.count_terms gave {terms:g} terms for {samples} samples, but task.TERMS_PER_SAMPLE is "
-            f"{task.TERMS_PER_SAMPLE!r}: set it to the terms each sample holds, or to None when the count "
-            "varies (padding, masks)"
-        )
+def check_declared_terms(terms: float, samples: int, batches: list | tuple = ()) -> None:
+    """The loop trusts task.TERMS_PER_SAMPLE to count every rank's terms without a collective.
+    `samples`: what full batches hold; `batches`: the batches themselves, counted where they hold
+    fewer (a step called on a smaller micro-batch, as a proof of your own may)."""
+    if terms == task.TERMS_PER_SAMPLE * samples:
+        return
+    held = sum(num_samples(batch) for batch in batches)
+    if held and terms == task.TERMS_PER_SAMPLE * held:
+        return
+    raise TaskError(
+        f"task.count_terms gave {terms:g} terms for {held or samples} samples, but task.TERMS_PER_SAMPLE is "
+        f"{task.TERMS_PER_SAMPLE!r}: set it to the terms each sample holds, or to None when the count "
+        "varies (padding, masks)"
+    )
 
 
 def _check_eval(model: nn.Module, collated: tuple[object, int]) -> None:
