@@ -22,7 +22,19 @@ from contextlib import contextmanager
 import torch
 
 REDUCTIONS = ("mean", "sum", "max", "per_term")
-RESERVED = frozenset({"loss", "lr", "grad_norm", "epoch", "step"})  # the log's own fields
+RESERVED = frozenset(  # the log's own fields (loop/metrics.py), and where a record sits
+    {"kind", "step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "data_wait_share", "step_ms", "mfu"}
+    | {
+        "data_wait_ms",
+        "fwd_bwd_ms",
+        "optimizer_ms",
+        "other_ms",
+        "peak_mem_gib",
+        "world_size",
+        "start_step",
+        "elapsed_s",
+    }
+)
 
 
 def add(name: str, value, reduce: str = "mean") -> None:

@@ -448,7 +448,7 @@ def restore(
     saved_callbacks = payload.get("callbacks", {})  # absent from checkpoints before callbacks existed
     if payload.get("sharded"):
         # each rank reads its shard of the tensors of the callbacks the checkpoint holds a state for
-        current = {name: state for name, state in state.callbacks.state_dict().items() if name in saved_callbacks}
+        current = {name: part for name, part in state.callbacks.state_dict().items() if name in saved_callbacks}
         tensors = split_tensors(current)[0]
         sharded_checkpoint.load(model, state.optimizer, chosen, {"callbacks": tensors} if tensors else {})
         saved_callbacks = joined(tensors, saved_callbacks)
