@@ -1028,7 +1028,7 @@ MUTANTS = [
         "a seeded dataset's own set_epoch not called",
         "a dataset wrapped for seeded draws still hears the epoch",
         BATCHING,
-        "        if hasattr(self.dataset, \"set_epoch\"):\n            self.dataset.set_epoch(epoch)\n",
+        '        if hasattr(self.dataset, "set_epoch"):\n            self.dataset.set_epoch(epoch)\n',
         "",
     ),
     Mutant(
@@ -1042,8 +1042,8 @@ MUTANTS = [
         "a base's setting blamed on the file that extends it",
         "a check's error names the file that gave the setting",
         CONFIG,
-        '                (f"{section}.{key}", f"in {layer_path}") for section, keys in layer.items() for key in keys or {}',
-        '                (f"{section}.{key}", f"in {path}") for section, keys in layer.items() for key in keys or {}',
+        '                (f"{section}.{key}", f"in {layer_path}") for section, keys in layer.items()',
+        '                (f"{section}.{key}", f"in {path}") for section, keys in layer.items()',
     ),
     Mutant(
         "the proofs' batch ignores accumulation",
@@ -1140,14 +1140,16 @@ MUTANTS = [
         "named scalar max summed",
         "named scalars: each by its reduction",
         SCALARS,
-        '        elif reduce == "max":\n            self.values[name] = torch.maximum(self.values[name], value)\n        else:',
+        '        elif reduce == "max":\n'
+        "            self.values[name] = torch.maximum(self.values[name], value)\n"
+        "        else:",
         "        else:",
     ),
     Mutant(
         "named scalars' new names never agreed",
         "named scalars reach the log window",
         METRICS,
-        "            scalar_values |= self.agree_on_new_names(total[\"terms\"])",
+        '            scalar_values |= self.agree_on_new_names(total["terms"])',
         "            pass",
     ),
 ]
