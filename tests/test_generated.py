@@ -34,6 +34,7 @@ EXITS = "tests/test_exits.py"  # the exit-status stress drill: launches back to 
 TRACKERS = "tests/test_trackers.py"  # W&B and MLflow on 2 ranks, offline stores
 SHARDS = "tests/test_packs.py"  # packed shards: a folder and an S3-compatible server on loopback
 SEAM = "--ignore=tests/test_seam.py"  # the stand-in tasks replace the seam: the same tests in every project
+CALLBACKS = "--ignore=tests/test_callbacks.py"  # the loop's callbacks on the plain stand-in: the same in every project
 # every task shape through the seam: the stand-ins (test_seam.py) and the worked swaps (test_swaps.py)
 SHAPES = ["tests/test_seam.py", "tests/test_swaps.py"]
 # the language model's (fsdp), a project that shards: its 3-rank proofs, and smoke.sh under fsdp
@@ -58,6 +59,7 @@ LOOP_WIRING = (
 IMAGE_TESTS = [
     "--task",
     SEAM,
+    CALLBACKS,
     "-k",
     f"not ({SHARED} or smoke_sh_passes or {LOOP_WIRING})",
 ]
@@ -67,6 +69,7 @@ LANGUAGE_MODEL_TESTS = [
     "-m",
     "not slow or task or fsdp",
     SEAM,
+    CALLBACKS,
     "-k",
     f"not ({SHARED} or {LOOP_WIRING} or smoke_check_passes_under_fsdp or killed_mid_epoch or ddp_checkpoint_loads)",
 ]
